@@ -1,0 +1,1 @@
+"""Policies: scripted, local transformers models, OpenAI-compatible servers, vLLM."""

@@ -1,0 +1,81 @@
+"""Benchmark a policy on an env: success, reward per check, critique codes, pass@k."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from math import comb
+from typing import Any
+
+from agents.base import Policy
+from agents.episodes import EpisodeResult, run_episodes
+from envs.registration import make
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """One evaluation: which env (and kwargs), how many episodes, which seeds."""
+
+    env_id: str
+    env_kwargs: dict[str, Any]
+    episodes: int = 100
+    seed: int = 0
+    samples: int = 1
+    batch_size: int = 32
+
+    def __post_init__(self) -> None:
+        if self.episodes < 1 or self.samples < 1 or self.batch_size < 1:
+            raise ValueError(f"episodes, samples and batch_size must be >= 1, got {self.episodes}, {self.samples}, {self.batch_size}")
+
+    @property
+    def seeds(self) -> list[int]:
+        """Task seeds: each repeated `samples` times, so pass@k sees k tries per task."""
+        return [self.seed + i for i in range(self.episodes) for _ in range(self.samples)]
+
+
+def evaluate(policy: Policy, config: EvalConfig, *, on_done: Callable[[EpisodeResult], None] | None = None) -> tuple[dict[str, Any], list[EpisodeResult]]:
+    """Run the episodes and return the DESIGN.md eval summary plus the raw results."""
+    start = time.perf_counter()
+    results = run_episodes(lambda: make(config.env_id, **config.env_kwargs), policy, config.seeds, batch_size=config.batch_size, on_done=on_done)
+    summary = summarize(results, samples=config.samples)
+    summary.update(env=config.env_id, env_kwargs=config.env_kwargs, policy=getattr(policy, "name", type(policy).__name__), seed=config.seed, wall_s=round(time.perf_counter() - start, 3))
+    return summary, results
+
+
+def summarize(results: Sequence[EpisodeResult], *, samples: int = 1) -> dict[str, Any]:
+    """Aggregate episode results (grouped by `samples` consecutive tries per task)."""
+    n = len(results)
+    checks = sorted({name for r in results for name in r.breakdown})
+    codes = Counter(code for r in results for code in r.codes)
+    summary: dict[str, Any] = {
+        "episodes": n,
+        "success_rate": sum(r.success for r in results) / n,
+        "mean_reward": sum(r.reward for r in results) / n,
+        "reward_breakdown": {c: sum(r.breakdown.get(c, 0.0) for r in results) / n for c in checks},
+        "check_pass_rates": check_pass_rates(results),
+        "critique_codes": dict(codes.most_common()),
+        "truncated_rate": sum(r.truncated for r in results) / n,
+        "mean_turns": sum(len(r.turns) for r in results) / n,
+        "mean_sampled_tokens": sum(r.sampled_tokens for r in results) / n,
+        "per_episode": [r.summary() for r in results],
+    }
+    if samples > 1:
+        groups = [results[i : i + samples] for i in range(0, n, samples)]
+        summary[f"pass@{samples}"] = sum(pass_at_k(len(g), sum(r.success for r in g), samples) for g in groups) / len(groups)
+        summary["pass@1"] = sum(pass_at_k(len(g), sum(r.success for r in g), 1) for g in groups) / len(groups)
+    return summary
+
+
+def check_pass_rates(results: Sequence[EpisodeResult]) -> dict[str, float]:
+    """Share of episodes in which each check passed."""
+    names = sorted({name for r in results for name in r.passed})
+    return {name: sum(r.passed.get(name, False) for r in results) / len(results) for name in names}
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n tries with c successes (Chen et al., 2021)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - comb(n - c, k) / comb(n, k)

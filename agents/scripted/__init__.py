@@ -1,0 +1,64 @@
+"""Scripted policies: oracles, flawed agents and exploits, for every built-in env family.
+
+`scripted:<name>` on the CLI. A scripted agent is a function of the conversation's messages;
+`ScriptedPolicy` picks the env family from the conversation's tools, so one spec such as
+`scripted:oracle` works on every env that has one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Callable
+
+from agents.base import Conversation, Turn
+from agents.scripted.api_report import API_AGENTS, FLAW_CODES as API_FLAW_CODES, AgentFn
+from envs.errors import InvalidChoiceError, did_you_mean
+
+
+@dataclass(frozen=True)
+class Family:
+    """Scripted agents for one env family, recognised by a tool only that family has."""
+
+    name: str
+    marker_tool: str
+    agents: dict[str, AgentFn]
+    flaw_codes: dict[str, str]
+
+
+FAMILIES: list[Family] = [Family("api_report", "search_customers", API_AGENTS, API_FLAW_CODES)]
+
+try:  # the SQL family registers itself when present
+    from agents.scripted.sql import FLAW_CODES as SQL_FLAW_CODES, SQL_AGENTS
+
+    FAMILIES.append(Family("sql", "run_query", SQL_AGENTS, SQL_FLAW_CODES))
+except ImportError:  # pragma: no cover - during development only
+    pass
+
+
+def scripted_names() -> list[str]:
+    return sorted({name for family in FAMILIES for name in family.agents})
+
+
+def family_of(tools: Sequence[dict]) -> Family | None:
+    names = {t.get("function", {}).get("name") for t in tools}
+    return next((f for f in FAMILIES if f.marker_tool in names), None)
+
+
+class ScriptedPolicy:
+    """A scripted agent behind the `Policy` protocol."""
+
+    def __init__(self, agent: str) -> None:
+        if agent not in scripted_names():
+            raise InvalidChoiceError(f"no scripted agent {agent!r}; choose one of {scripted_names()}.{did_you_mean(agent, scripted_names())}")
+        self.agent = agent
+        self.name = f"scripted:{agent}"
+
+    def act(self, batch: Sequence[Conversation]) -> list[Turn]:
+        return [Turn(self._agent_for(conv)(conv.messages)) for conv in batch]
+
+    def _agent_for(self, conv: Conversation) -> Callable[[list[dict]], str]:
+        family = family_of(conv.tools)
+        if family is None or self.agent not in family.agents:
+            raise InvalidChoiceError(f"scripted agent {self.agent!r} does not exist for this env ({family.name if family else 'unknown family'})")
+        return family.agents[self.agent]

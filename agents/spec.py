@@ -1,0 +1,64 @@
+"""Policy specs, as the CLI takes them: `scripted:oracle`, `hf:DIR`, `openai:M@URL`, `vllm:M`.
+
+Heavy backends (torch, transformers, vLLM) are imported only when their spec is used.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from agents.base import Policy
+from envs.errors import CgymError, did_you_mean
+
+SPEC_FORMS = (
+    "scripted:<agent> (e.g. scripted:oracle)",
+    "hf:<hub-name-or-local-dir> (e.g. hf:runs/tiny)",
+    "openai:<model>@<base_url> (e.g. openai:Qwen/Qwen2.5-0.5B-Instruct@http://127.0.0.1:8000/v1)",
+    "vllm:<hub-name-or-local-dir>",
+)
+KINDS = ("scripted", "hf", "openai", "vllm")
+
+
+class PolicySpecError(CgymError, ValueError):
+    """A policy spec that does not parse."""
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """Sampling settings shared by every model-backed policy."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 256
+    seed: int = 0
+
+
+def parse_spec(spec: str) -> tuple[str, str]:
+    """Split `kind:rest`, with a message listing every valid form when it fails."""
+    kind, sep, rest = spec.partition(":")
+    if not sep or not rest or kind not in KINDS:
+        forms = "\n  ".join(SPEC_FORMS)
+        raise PolicySpecError(f"cannot read the policy spec {spec!r}.{did_you_mean(kind, KINDS)} Valid forms:\n  {forms}")
+    return kind, rest
+
+
+def load_policy(spec: str, options: SamplingOptions | None = None) -> Policy:
+    """Build the policy a spec names."""
+    kind, rest = parse_spec(spec)
+    opts = options or SamplingOptions()
+    if kind == "scripted":
+        from agents.scripted import ScriptedPolicy
+
+        return ScriptedPolicy(rest)
+    if kind == "hf":
+        from agents.hf import HFPolicy
+
+        return HFPolicy.from_pretrained(rest, temperature=opts.temperature, top_p=opts.top_p, max_new_tokens=opts.max_new_tokens, seed=opts.seed)
+    if kind == "openai":
+        from agents.openai_server import OpenAIPolicy
+
+        policy = OpenAIPolicy.from_spec(rest)
+        return policy
+    from agents.vllm_policy import VLLMPolicy
+
+    return VLLMPolicy.from_spec(rest)

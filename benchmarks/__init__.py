@@ -1,0 +1,1 @@
+"""Runnable benchmarks; each writes JSON (and a PNG where a picture helps)."""

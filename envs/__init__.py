@@ -1,0 +1,53 @@
+"""critique-gym environments: multi-turn tool use with verifiable rewards and critiques.
+
+Importing this package registers the built-in envs with Gymnasium under ``cgym/``::
+
+    import gymnasium as gym
+    import envs
+
+    env = gym.make("cgym/ApiReport-v0", difficulty="medium")
+"""
+
+from __future__ import annotations
+
+from envs.core import AgentEnv, ResetNeeded, Task
+from envs.critique import CRITIQUE_STYLES, Critique, CritiqueStyle, render
+from envs.errors import CgymError, InvalidChoiceError, InvalidEnvKwargError, UnknownEnvError
+from envs.registration import EnvSpec, load_plugins, make, register, registered
+from envs.rubric import Check, CheckResult, Rubric, Score
+from envs.tools import Tool, ToolError
+
+DIFFICULTIES = ("easy", "medium", "hard")
+SPLITS = ("train", "test")
+
+register(
+    "cgym/ApiReport-v0",
+    "envs.api_report:ApiReportEnv",
+    description="Call a mocked shop API (auth, search, paginated orders, faults), then write a JSON report.",
+)
+
+__all__ = [
+    "AgentEnv",
+    "CRITIQUE_STYLES",
+    "CgymError",
+    "Check",
+    "CheckResult",
+    "Critique",
+    "CritiqueStyle",
+    "DIFFICULTIES",
+    "EnvSpec",
+    "InvalidChoiceError",
+    "InvalidEnvKwargError",
+    "ResetNeeded",
+    "Rubric",
+    "SPLITS",
+    "Score",
+    "Task",
+    "Tool",
+    "ToolError",
+    "UnknownEnvError",
+    "load_plugins",
+    "make",
+    "register",
+    "registered",
+]

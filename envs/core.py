@@ -1,0 +1,217 @@
+"""`AgentEnv`: the Gymnasium contract for multi-turn, tool-calling text environments.
+
+The action is the policy's raw text for one assistant turn; the observation is the content of
+the env's next message. A turn that calls tools gets their results; a turn without tool calls is
+the final answer, scored by the env's `Rubric`. Nothing a policy writes makes `step` raise:
+unreadable calls, unknown tools, bad arguments and crashing tools all become critiques.
+"""
+
+from __future__ import annotations
+
+import re
+import string
+from typing import Any, ClassVar, Protocol
+
+import gymnasium as gym
+import numpy as np
+from gymnasium.spaces import Text
+
+from envs.critique import Critique, CritiqueStyle, render
+from envs.episode import Episode, StepRecord, ToolResult
+from envs.errors import CgymError, check_choice, did_you_mean
+from envs.rubric import Rubric, Score
+from envs.toolcall import ParsedTurn, ToolCall, parse_turn
+from envs.tools import Tool, ToolError
+
+CHARSET = frozenset(string.printable)
+_OUTSIDE_CHARSET = re.compile(f"[^{re.escape(string.printable)}]")
+MAX_OBSERVATION_CHARS = 16_000
+MAX_ACTION_CHARS = 16_000
+
+
+class Task(Protocol):
+    """What an env's task must expose: a stable id, the prompt, the answer for critiques."""
+
+    id: str
+    prompt: str
+    ground_truth: str
+
+
+class ResetNeeded(CgymError, RuntimeError):
+    """`step` was called before `reset` or after the episode ended."""
+
+
+class AgentEnv(gym.Env[str, str]):
+    """Base class: subclasses provide tasks, tools, a system prompt and a rubric."""
+
+    metadata: ClassVar[dict[str, Any]] = {"render_modes": ["ansi"], "render_fps": 1}
+    system_prompt: ClassVar[str] = "You are a helpful assistant that uses tools."
+    truncation_code: ClassVar[str] = "no_final_answer"
+    rubric: Rubric
+
+    def __init__(self, *, max_turns: int = 8, render_mode: str | None = None) -> None:
+        if not isinstance(max_turns, int) or isinstance(max_turns, bool) or max_turns < 1:
+            raise ValueError(f"max_turns must be a positive int, got {max_turns!r}")
+        if render_mode is not None:
+            check_choice("render_mode", render_mode, self.metadata["render_modes"])
+        self.max_turns = max_turns
+        self.render_mode = render_mode
+        self.observation_space = Text(max_length=MAX_OBSERVATION_CHARS, min_length=0, charset=CHARSET)
+        self.action_space = Text(max_length=MAX_ACTION_CHARS, min_length=0, charset=CHARSET)
+        self._tool_list = self._tools()
+        self._tool_map = {t.name: t for t in self._tool_list}
+        self._schemas = [t.schema for t in self._tool_list]
+        self._episode: Episode | None = None
+        self._messages: list[dict[str, Any]] = []
+        self._final_answer: str | None = None
+        self._score: Score | None = None
+
+    # -- what subclasses provide -------------------------------------------------------
+    def _sample_task(self, rng: np.random.Generator) -> Task:
+        raise NotImplementedError
+
+    def _begin_episode(self, task: Task) -> None:
+        """Set up per-episode state (a mocked service, a DB connection); default: nothing."""
+
+    def _tools(self) -> list[Tool]:
+        raise NotImplementedError
+
+    # -- the Gymnasium API ---------------------------------------------------------------
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
+        super().reset(seed=seed)
+        task = self._sample_task(self.np_random)
+        self._begin_episode(task)
+        self._episode = Episode(task)
+        self._final_answer = None
+        self._score = None
+        self._messages = [
+            {"role": "system", "content": self.system_prompt},
+            {"role": "user", "content": task.prompt},
+        ]
+        return _clean(task.prompt), self._info(None)
+
+    def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        episode = self._episode
+        if episode is None or self._score is not None:
+            raise ResetNeeded("call reset() before step(), and again after an episode ends")
+        text = action if isinstance(action, str) else str(action)
+        index = len(episode.steps) + 1
+        self._messages.append({"role": "assistant", "content": text})
+        parsed = parse_turn(text)
+        if parsed.is_tool_turn:
+            record, observation = self._run_tools(parsed, text, index)
+        else:
+            record, observation = StepRecord(index, text, final=True), ""
+            self._finish(text)
+        episode.steps.append(record)
+        terminated = self._final_answer is not None
+        truncated = not terminated and index >= self.max_turns
+        info = self._info(record.critique)
+        reward = 0.0
+        if terminated or truncated:
+            reward = self._end_episode(truncated, info)
+        return _clean(observation), reward, terminated, truncated, info
+
+    def render(self) -> str | None:
+        if self.render_mode != "ansi":
+            return None
+        return "\n\n".join(f"[{m['role']}] {m['content']}" for m in self._messages)
+
+    # -- helpers for subclasses ----------------------------------------------------------
+    def _finish(self, answer: str) -> None:
+        """End the episode after this turn with `answer` as the final answer."""
+        self._final_answer = answer
+
+    @property
+    def task(self) -> Task | None:
+        return self._episode.task if self._episode else None
+
+    @property
+    def episode(self) -> Episode | None:
+        """The current (or just finished) episode record."""
+        return self._episode
+
+    def critique_text(self, style: CritiqueStyle) -> str:
+        """The finished episode's critique in one of the three renderings."""
+        if self._episode is None or self._score is None:
+            raise ResetNeeded("critique_text() needs a finished episode")
+        return render(style, self._episode, self._score.critiques, self._score.success)
+
+    # -- internals -----------------------------------------------------------------------
+    def _run_tools(self, parsed: ParsedTurn, text: str, index: int) -> tuple[StepRecord, str]:
+        record = StepRecord(index, text, calls=list(parsed.calls))
+        contents: list[str] = []
+        for error in parsed.errors:
+            critique = Critique(index, error.code, error.message, got=error.got)
+            record.critique = record.critique or critique
+            contents.append(self._reply("invalid_tool_call", f"Error [{error.code}]: {error.message}"))
+        for call in parsed.calls:
+            if self._final_answer is not None:
+                break  # a call that ended the episode makes the rest of the turn moot
+            result = self._call(call, index)
+            record.results.append(result)
+            record.critique = record.critique or result.critique
+            contents.append(self._reply(call.name, result.content))
+        return record, "\n".join(contents)
+
+    def _call(self, call: ToolCall, index: int) -> ToolResult:
+        tool = self._tool_map.get(call.name)
+        try:
+            if tool is None:
+                raise ToolError(
+                    "unknown_tool",
+                    f"There is no tool {call.name!r}.{did_you_mean(call.name, self._tool_map)}",
+                    expected=sorted(self._tool_map),
+                    got=call.name,
+                )
+            return ToolResult(call, True, tool.invoke(call.arguments))
+        except ToolError as exc:
+            critique = Critique(index, exc.code, exc.message, exc.expected, exc.got)
+            return ToolResult(call, False, f"Error [{exc.code}]: {exc.message}", critique)
+        except Exception as exc:  # noqa: BLE001 - tools run on model-written input; never crash step()
+            message = f"{call.name} failed: {type(exc).__name__}: {exc}"
+            return ToolResult(call, False, f"Error [tool_crashed]: {message}", Critique(index, "tool_crashed", message))
+
+    def _reply(self, name: str, content: str) -> str:
+        content = _clean(content)
+        self._messages.append({"role": "tool", "name": name, "content": content})
+        return content
+
+    def _end_episode(self, truncated: bool, info: dict[str, Any]) -> float:
+        assert self._episode is not None
+        self._episode.final_answer = self._final_answer
+        self._episode.truncated = truncated
+        score = self.rubric.score(self._episode)
+        critiques = [s.critique for s in self._episode.steps if s.critique is not None] + score.critiques
+        if truncated:
+            critiques.append(
+                Critique(self._episode.final_step, self.truncation_code, f"The turn limit ({self.max_turns}) was reached without a final answer.")
+            )
+        critiques.sort(key=lambda c: c.step)
+        self._score = Score(score.reward, score.success, score.breakdown, critiques, score.passed)
+        info.update(
+            success=score.success,
+            reward_breakdown=dict(score.breakdown),
+            checks_passed=dict(score.passed),
+            critiques=[c.to_dict() for c in critiques],
+        )
+        return score.reward
+
+    def _info(self, critique: Critique | None) -> dict[str, Any]:
+        task = self._episode.task if self._episode else None
+        return {
+            "messages": list(self._messages),
+            "tools": self._schemas,
+            "critique": critique.to_dict() if critique else None,
+            "turn": len(self._episode.steps) if self._episode else 0,
+            "task_id": getattr(task, "id", None),
+        }
+
+
+def _clean(text: str) -> str:
+    """Keep observations inside the observation space: printable ASCII, bounded length."""
+    if not text.isascii() or _OUTSIDE_CHARSET.search(text):
+        text = _OUTSIDE_CHARSET.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+    if len(text) > MAX_OBSERVATION_CHARS:
+        text = text[: MAX_OBSERVATION_CHARS - 20] + "\n...[truncated]"
+    return text

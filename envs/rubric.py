@@ -1,0 +1,88 @@
+"""Checks and rubrics: verifiable rewards with correctness gating.
+
+A `Check` scores a finished `Episode`. A `Rubric` adds the weighted scores of its checks, with
+one rule that weights cannot break: *gate* checks (correctness) decide success, and non-gate
+checks (format, length, style bonuses) count only when every gate passed. Since a failed gate
+scores below 1 and gate weights are positive, every successful episode outscores every failed
+one: pretty JSON with wrong fields, padding or tag spam can never buy success.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from envs.critique import Critique
+from envs.episode import Episode
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """`score` is 1.0 when passed; a failure scores lower (e.g. 0, a partial share, or -1)."""
+
+    passed: bool
+    score: float
+    critique: Critique | None = None
+
+    @classmethod
+    def ok(cls) -> CheckResult:
+        return cls(True, 1.0)
+
+    @classmethod
+    def fail(cls, critique: Critique | None, score: float = 0.0) -> CheckResult:
+        return cls(False, min(score, 0.999), critique)
+
+
+@dataclass(frozen=True)
+class Check:
+    """A named, weighted scoring function of the finished episode."""
+
+    name: str
+    fn: Callable[[Episode], CheckResult]
+    weight: float = 1.0
+    gate: bool = True
+
+    def __post_init__(self) -> None:
+        if self.weight <= 0:
+            raise ValueError(f"check {self.name!r}: weight must be > 0, got {self.weight}")
+
+
+@dataclass(frozen=True)
+class Score:
+    reward: float
+    success: bool
+    breakdown: dict[str, float] = field(default_factory=dict)
+    critiques: list[Critique] = field(default_factory=list)
+    passed: dict[str, bool] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Rubric:
+    checks: Sequence[Check]
+
+    def __post_init__(self) -> None:
+        names = [c.name for c in self.checks]
+        if len(set(names)) != len(names):
+            raise ValueError(f"check names must be unique, got {names}")
+        if not any(c.gate for c in self.checks):
+            raise ValueError("a rubric needs at least one gate (correctness) check")
+
+    @property
+    def max_reward(self) -> float:
+        return sum(c.weight for c in self.checks)
+
+    def score(self, episode: Episode) -> Score:
+        """Run every check; bonus terms are zeroed unless all gates passed."""
+        results = {c.name: c.fn(episode) for c in self.checks}
+        success = all(results[c.name].passed for c in self.checks if c.gate)
+        breakdown: dict[str, float] = {}
+        for check in self.checks:
+            result = results[check.name]
+            if check.gate:  # a failed gate stays strictly below a pass, whatever it reports
+                score = result.score if result.passed else min(result.score, 0.999)
+            else:  # bonuses are never negative and count only on success
+                score = max(result.score, 0.0) if success else 0.0
+            breakdown[check.name] = check.weight * score
+        critiques = [r.critique for r in results.values() if r.critique is not None]
+        passed = {name: r.passed for name, r in results.items()}
+        return Score(sum(breakdown.values()), success, breakdown, critiques, passed)

@@ -1,0 +1,172 @@
+from __future__ import annotations
+
+import json
+import warnings
+
+import gymnasium as gym
+import pytest
+from gymnasium.utils.env_checker import check_env
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import envs
+from agents.audit import audit
+from agents.episodes import EpisodeResult, run_episodes
+from agents.scripted import ScriptedPolicy
+from envs.api_report.checks import extract_report
+
+ENV = "cgym/ApiReport-v0"
+
+
+def play(agent: str, seeds: range, **kwargs) -> list[EpisodeResult]:
+    return run_episodes(lambda: envs.make(ENV, **kwargs), ScriptedPolicy(agent), seeds)
+
+
+@pytest.mark.parametrize("difficulty", ["easy", "medium", "hard"])
+def test_check_env(difficulty: str) -> None:
+    env = gym.make(ENV, difficulty=difficulty, disable_env_checker=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_env(env.unwrapped)
+
+
+@pytest.mark.parametrize(
+    ("difficulty", "faults"),
+    [("easy", 0.0), ("medium", 0.0), ("hard", None), ("easy", 0.2), ("medium", 0.2), ("hard", 0.2)],
+    ids=["easy", "medium", "hard", "easy-faults", "medium-faults", "hard-faults"],
+)
+def test_oracle_solves_200_test_episodes(difficulty: str, faults: float | None) -> None:
+    results = play("oracle", range(200), difficulty=difficulty, split="test", faults=faults)
+    assert all(r.success for r in results), [r.summary() for r in results if not r.success][:3]
+    assert all(r.critiques == [] for r in results)
+
+
+def test_faults_actually_happen_and_are_retried() -> None:
+    results = play("oracle", range(50), difficulty="hard", split="test", faults=0.2)
+    tool_replies = [m["content"] for r in results for m in r.conversation.messages if m["role"] == "tool"]
+    kinds = {json.loads(c).get("error") for c in tool_replies}
+    assert {"rate_limited", "server_error", "timeout", "malformed_json"} <= kinds
+
+
+FLAWS = [
+    # agent, env kwargs, code, which step (a function of the finished episode)
+    ("skip_pagination", {"difficulty": "hard", "faults": 0.0}, "pagination_incomplete", lambda r: 4),
+    ("no_retry", {"difficulty": "hard", "faults": 1.0}, "http_error_not_retried", lambda r: 1),
+    ("skip_auth", {"difficulty": "hard", "faults": 0.0}, "auth_skipped", lambda r: 1),
+    ("wrong_field", {"difficulty": "medium"}, "field_mismatch", lambda r: len(r.turns)),
+    ("malformed_json", {"difficulty": "easy"}, "json_parse_error", lambda r: len(r.turns)),
+    ("missing_argument", {"difficulty": "easy"}, "missing_argument", lambda r: 1),
+    ("unknown_tool", {"difficulty": "medium"}, "unknown_tool", lambda r: 1),
+]
+
+
+@pytest.mark.parametrize(("agent", "kwargs", "code", "step"), FLAWS, ids=[f[0] for f in FLAWS])
+def test_each_flawed_agent_fails_with_its_code_at_the_right_step(agent, kwargs, code, step) -> None:
+    for result in play(agent, range(30), split="test", **kwargs):
+        assert not result.success
+        found = [c for c in result.critiques if c["code"] == code]
+        assert found, (agent, result.codes)
+        assert found[0]["step"] == step(result), (agent, found[0])
+
+
+def test_skip_pagination_critique_names_the_missing_page_and_values() -> None:
+    result = play("skip_pagination", range(1), difficulty="hard", split="test", faults=0.0)[0]
+    mismatch = next(c for c in result.critiques if c["code"] == "field_mismatch")
+    assert "never fetched" in mismatch["message"]
+    assert "order_count" in mismatch["expected"] and mismatch["got"]["order_count"] != mismatch["expected"]["order_count"]
+
+
+@pytest.mark.parametrize("difficulty", ["easy", "medium", "hard"])
+def test_audit_passes(difficulty: str) -> None:
+    report = audit(ENV, {"difficulty": difficulty, "split": "test"}, episodes=25)
+    assert report["passed"], report["exploits"]
+    assert len(report["exploits"]) >= 5
+
+
+def test_every_success_outscores_every_failure_across_agents() -> None:
+    agents = ["oracle", "wrong_field", "malformed_json", "exploit_json_wrong_fields", "exploit_raw_dump", "exploit_padded_reasoning"]
+    results = [r for a in agents for r in play(a, range(10), difficulty="medium", split="test")]
+    worst_success = min(r.reward for r in results if r.success)
+    best_failure = max(r.reward for r in results if not r.success)
+    assert worst_success > best_failure
+
+
+def test_splits_are_disjoint_and_reset_is_deterministic() -> None:
+    def task_ids(split: str) -> set[str]:
+        env = envs.make(ENV, difficulty="easy", split=split)
+        return {env.reset(seed=s)[1]["task_id"] for s in range(300)}
+
+    assert not task_ids("train") & task_ids("test")
+    env = envs.make(ENV, difficulty="hard")
+    assert env.reset(seed=5)[0] == env.reset(seed=5)[0]
+    assert env.reset(seed=5)[0] != env.reset(seed=6)[0]
+
+
+def test_turn_limit_truncates_and_scores_as_unfinished() -> None:
+    env = envs.make(ENV, difficulty="easy", max_turns=2)
+    env.reset(seed=0)
+    call = '<tool_call>{"name": "search_customers", "arguments": {"name": "nobody"}}</tool_call>'
+    env.step(call)
+    _, reward, terminated, truncated, info = env.step(call)
+    assert truncated and not terminated and not info["success"]
+    assert reward < 0
+    assert info["critiques"][-1]["code"] == "no_final_answer"
+
+
+def test_critique_renderings() -> None:
+    result = play("skip_pagination", range(1), difficulty="hard", split="test", faults=0.0)[0]
+    assert result.critique("indicative") == "The answer is incorrect."
+    assert "The correct answer is" in result.critique("ground_truth") and "order_count" in result.critique("ground_truth")
+    step = result.critique("step")
+    assert "(first error)" in step and "pagination_incomplete" in step
+    assert step.endswith("Conclusion: incorrect [END]")
+    good = play("oracle", range(1), difficulty="easy", split="test")[0]
+    assert good.critique("step").endswith("Conclusion: correct [END]")
+
+
+@pytest.mark.parametrize(
+    ("answer", "error"),
+    [
+        ('{"a": 1}', None),
+        ('Summary.\n```json\n{"a": 1}\n```', None),
+        ('{"a": 1,}', "Expecting property name"),
+        ("no json here", "no JSON object"),
+        ("[1, 2]", "no JSON object"),
+    ],
+    ids=["bare", "fenced", "trailing-comma", "none", "array"],
+)
+def test_extract_report(answer: str, error: str | None) -> None:
+    report = extract_report(answer)
+    if error is None:
+        assert report.data == {"a": 1}
+    else:
+        assert report.data is None and error in report.error
+
+
+class TestFuzz:
+    env = envs.make(ENV, difficulty="hard", faults=0.3).unwrapped
+
+    call_like = st.one_of(
+        st.text(max_size=300),
+        st.builds(lambda s: f"<tool_call>{s}</tool_call>", st.text(max_size=200)),
+        st.builds(
+            lambda name, args: f'<tool_call>{{"name": {json.dumps(name)}, "arguments": {json.dumps(args)}}}</tool_call>',
+            st.sampled_from(["get_token", "search_customers", "list_orders", "get_order", "get_product", "nope", ""]),
+            st.dictionaries(st.sampled_from(["name", "customer_id", "page", "token", "order_id", "product_id", "x"]), st.one_of(st.integers(-10**12, 10**12), st.text(max_size=20), st.none(), st.floats(), st.lists(st.integers(), max_size=3))),
+        ),
+    )
+
+    @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(actions=st.lists(call_like, min_size=1, max_size=6), seed=st.integers(0, 10**6))
+    def test_step_never_raises(self, actions: list[str], seed: int) -> None:
+        env = self.env
+        env.reset(seed=seed)
+        for action in actions:
+            obs, reward, terminated, truncated, info = env.step(action)
+            assert env.observation_space.contains(obs)
+            malformed = "<tool_call>" in action and not any(m["role"] == "tool" and not m["content"].startswith("Error") for m in info["messages"][-1:])
+            if malformed:
+                assert info["critique"] is not None, action
+            if terminated or truncated:
+                assert isinstance(info["success"], bool) and isinstance(reward, float)
+                break

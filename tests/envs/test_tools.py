@@ -1,0 +1,64 @@
+from __future__ import annotations
+
+from typing import Literal
+
+import pytest
+
+from envs.tools import Tool, ToolError
+
+
+def lookup(customer_id: int, page: int = 1, mode: Literal["fast", "full"] = "fast", token: str | None = None, ratio: float = 1.0) -> dict:
+    """Look a customer up.
+
+    Args:
+        customer_id: The customer's id.
+        page: 1-based page.
+        mode: How much to fetch.
+        token: Optional bearer token.
+        ratio: A number.
+    """
+    return {"customer_id": customer_id, "page": page, "mode": mode, "token": token}
+
+
+TOOL = Tool.from_function(lookup)
+
+
+def test_schema_from_signature_and_docstring() -> None:
+    fn = TOOL.schema["function"]
+    assert fn["name"] == "lookup" and fn["description"] == "Look a customer up."
+    props = fn["parameters"]["properties"]
+    assert props["customer_id"] == {"type": "integer", "description": "The customer's id."}
+    assert props["mode"]["enum"] == ["fast", "full"]
+    assert props["token"]["type"] == "string"
+    assert props["ratio"]["type"] == "number"
+    assert fn["parameters"]["required"] == ["customer_id"]
+
+
+@pytest.mark.parametrize(
+    ("arguments", "code"),
+    [
+        ({}, "missing_argument"),
+        ({"customer_id": "7"}, "invalid_argument"),
+        ({"customer_id": True}, "invalid_argument"),
+        ({"customer_id": 7, "mode": "slow"}, "invalid_argument"),
+        ({"customer_id": 7, "pgae": 2}, "unexpected_argument"),
+    ],
+    ids=["missing", "string-for-int", "bool-for-int", "not-in-enum", "typo"],
+)
+def test_bad_arguments_raise_tool_errors(arguments: dict, code: str) -> None:
+    with pytest.raises(ToolError) as info:
+        TOOL.invoke(arguments)
+    assert info.value.code == code
+
+
+def test_typo_gets_a_did_you_mean() -> None:
+    with pytest.raises(ToolError, match="Did you mean 'page'"):
+        TOOL.invoke({"customer_id": 1, "pgae": 2})
+
+
+def test_null_optional_argument_means_default() -> None:
+    assert '"token": null' in TOOL.invoke({"customer_id": 7, "token": None})
+
+
+def test_int_accepted_for_number() -> None:
+    assert TOOL.check_arguments({"customer_id": 1, "ratio": 2}) is None

@@ -1,0 +1,1 @@
+"""Rollouts, advantages, losses and the GRPO / Critique-GRPO training loop."""

@@ -1,0 +1,198 @@
+"""`cgym`: the command line. Each subcommand is a small function; heavy imports stay lazy."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+console = Console()
+Command = Callable[[argparse.Namespace], int]
+
+
+def _json_arg(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({exc.msg} at char {exc.pos}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"difficulty\": \"hard\"}}', got {text!r}")
+    return value
+
+
+def _write_json(path: Path | None, data: Any) -> None:
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str))
+    tmp.replace(path)
+    console.print(f"wrote [bold]{path}[/bold]")
+
+
+def _sampling(args: argparse.Namespace) -> Any:
+    from agents.spec import SamplingOptions
+
+    return SamplingOptions(temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens, seed=args.seed)
+
+
+# -- commands -------------------------------------------------------------------------------
+def cmd_envs(args: argparse.Namespace) -> int:
+    import envs
+
+    specs = envs.registered()
+    table = Table("id", "description", "entry point")
+    for spec in specs.values():
+        table.add_row(spec.id, spec.description, spec.entry_point)
+    console.print(table)
+    _write_json(args.json, [{"id": s.id, "description": s.description, "entry_point": s.entry_point, "defaults": s.defaults} for s in specs.values()])
+    return 0
+
+
+def cmd_play(args: argparse.Namespace) -> int:
+    from agents.episodes import run_episodes
+    from agents.spec import load_policy
+    from envs import make
+    from trainer.transcript import print_transcript
+
+    policy = load_policy(args.policy, _sampling(args))
+    result = run_episodes(lambda: make(args.env, **args.env_kwargs), policy, [args.seed], batch_size=1)[0]
+    print_transcript(console, result)
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from agents.evaluate import EvalConfig, evaluate
+    from agents.spec import load_policy
+    from trainer.progress import episode_progress
+
+    kwargs = {"split": args.split, **args.env_kwargs}
+    config = EvalConfig(args.env, kwargs, episodes=args.episodes, seed=args.seed, samples=args.samples, batch_size=args.batch_size)
+    policy = load_policy(args.policy, _sampling(args))
+    with episode_progress(console, len(config.seeds), f"eval {policy.name}") as advance:
+        summary, _ = evaluate(policy, config, on_done=advance)
+    _print_summary(summary)
+    _write_json(args.json, summary)
+    return 0
+
+
+def _print_summary(summary: dict[str, Any]) -> None:
+    table = Table("metric", "value", title=f"{summary['policy']} on {summary['env']} {summary['env_kwargs']}")
+    for key in ("episodes", "success_rate", "mean_reward", "truncated_rate", "mean_turns", "wall_s"):
+        table.add_row(key, f"{summary[key]:.3f}" if isinstance(summary[key], float) else str(summary[key]))
+    for key in [k for k in summary if k.startswith("pass@")]:
+        table.add_row(key, f"{summary[key]:.3f}")
+    for name, rate in summary["check_pass_rates"].items():
+        table.add_row(f"check {name}", f"{rate:.3f} passed, {summary['reward_breakdown'][name]:+.3f} mean")
+    for code, count in list(summary["critique_codes"].items())[:8]:
+        table.add_row(f"critique {code}", str(count))
+    console.print(table)
+
+
+def cmd_audit(args: argparse.Namespace) -> int:
+    from agents.audit import audit
+
+    report = audit(args.env, args.env_kwargs, episodes=args.episodes, seed=args.seed)
+    table = Table("agent", "success", "mean reward", "max reward", "reached honest", "verdict", title=f"reward-hacking audit: {args.env}")
+    oracle = report["oracle"]
+    table.add_row("oracle (honest)", f"{oracle['success_rate']:.2f}", f"{oracle['mean_reward']:.2f}", "", "", "")
+    for name, entry in report["exploits"].items():
+        verdict = "[green]pass[/green]" if entry["passed"] else "[red]FAIL[/red]"
+        table.add_row(name, f"{entry['success_rate']:.2f}", f"{entry['mean_reward']:.2f}", f"{entry['max_reward']:.2f}", str(entry["episodes_reaching_honest_reward"]), verdict)
+    console.print(table)
+    console.print("[green]audit passed[/green]" if report["passed"] else "[red]audit FAILED[/red]")
+    _write_json(args.json, report)
+    return 0 if report["passed"] else 1
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    if args.what == "env":
+        from benchmarks.env_throughput import run
+
+        result = run(args.env, args.env_kwargs, episodes=args.episodes)
+    else:
+        from benchmarks.trainer_vs_trl import run as run_trainer
+
+        result = run_trainer(vs=args.vs, steps=args.steps)
+    console.print_json(data=result)
+    _write_json(args.json, result)
+    return 0
+
+
+# -- parser ---------------------------------------------------------------------------------
+def _add_sampling(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (model policies)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (model policies)")
+    parser.add_argument("--max-new-tokens", type=int, default=256, help="tokens per assistant turn (model policies)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cgym", description="critique-gym: verifiable rewards, critiques and GRPO for tool-calling agents.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("envs", help="list registered envs")
+    p.add_argument("--json", type=Path)
+    p.set_defaults(func=cmd_envs)
+
+    p = sub.add_parser("play", help="one transcript, with rewards and critiques")
+    p.add_argument("env")
+    p.add_argument("--policy", default="scripted:oracle")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--env-kwargs", type=_json_arg, default={})
+    _add_sampling(p)
+    p.set_defaults(func=cmd_play)
+
+    p = sub.add_parser("eval", help="benchmark a policy on an env")
+    p.add_argument("--env", required=True)
+    p.add_argument("--env-kwargs", type=_json_arg, default={})
+    p.add_argument("--policy", required=True)
+    p.add_argument("--episodes", type=int, default=100)
+    p.add_argument("--split", choices=["train", "test"], default="test")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--samples", type=int, default=1, help="tries per task, for pass@k")
+    p.add_argument("--batch-size", type=int, default=32, help="episodes run at once")
+    p.add_argument("--json", type=Path)
+    _add_sampling(p)
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("audit", help="reward-hacking audit with the env's exploit agents")
+    p.add_argument("--env", required=True)
+    p.add_argument("--env-kwargs", type=_json_arg, default={})
+    p.add_argument("--episodes", type=int, default=50)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path)
+    p.set_defaults(func=cmd_audit)
+
+    p = sub.add_parser("bench", help="benchmarks: env overhead per step, trainer vs TRL")
+    p.add_argument("what", choices=["env", "trainer"])
+    p.add_argument("--env", default="cgym/ApiReport-v0")
+    p.add_argument("--env-kwargs", type=_json_arg, default={})
+    p.add_argument("--episodes", type=int, default=300)
+    p.add_argument("--vs", default="trl")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--json", type=Path)
+    p.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if not hasattr(args, "seed"):
+        args.seed = 0
+    from envs.errors import CgymError
+
+    try:
+        return args.func(args)
+    except CgymError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,38 @@
+"""Progress bars for long work (rich), as context managers that hand out an `advance` callback."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+
+def _progress(console: Console) -> Progress:
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[status]}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+        transient=False,
+    )
+
+
+@contextmanager
+def episode_progress(console: Console, total: int, description: str) -> Iterator[Callable[[Any], None]]:
+    """A bar over episodes; the callback takes an `EpisodeResult` and shows the success rate."""
+    done = {"n": 0, "ok": 0}
+    with _progress(console) as progress:
+        task = progress.add_task(description, total=total, status="")
+
+        def advance(result: Any) -> None:
+            done["n"] += 1
+            done["ok"] += bool(getattr(result, "success", False))
+            progress.update(task, advance=1, status=f"success {done['ok'] / done['n']:.0%}")
+
+        yield advance
