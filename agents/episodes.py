@@ -76,10 +76,10 @@ def run_episodes(
     on_done: Callable[[EpisodeResult], None] | None = None,
     conversation_for: Callable[[int, Conversation], Conversation] | None = None,
 ) -> list[EpisodeResult]:
-    """Play one episode per seed; results come back in seed order.
+    """Play one episode per seed; results come back in the order of `seeds`.
 
-    `conversation_for(seed, conv)` may rewrite the opening conversation (e.g. a refinement
-    prompt); the env still scores the episode it started with that seed.
+    `conversation_for(i, conv)` may replace the opening conversation of the i-th episode (e.g.
+    with a refinement prompt); the env still scores the episode it started from that seed.
     """
     pending = list(seeds)
     order = {i: s for i, s in enumerate(pending)}
@@ -94,7 +94,7 @@ def run_episodes(
             env = free.pop()
             _, info = env.reset(seed=seed)
             conv = Conversation(list(info["messages"]), info["tools"], env_seen=len(info["messages"]))
-            live[index] = _Slot(env, seed, conversation_for(seed, conv) if conversation_for else conv, [])
+            live[index] = _Slot(env, seed, conversation_for(index, conv) if conversation_for else conv, [])
         keys = list(live)
         turns = policy.act([live[k].conversation for k in keys])
         for key, turn in zip(keys, turns):

@@ -25,6 +25,11 @@ register(
     "envs.api_report:ApiReportEnv",
     description="Call a mocked shop API (auth, search, paginated orders, faults), then write a JSON report.",
 )
+register(
+    "cgym/SqlQuery-v0",
+    "envs.sql:SqlQueryEnv",
+    description="Answer questions about a SQLite database (shop, HR, flights) with one SQL query; execution match.",
+)
 
 __all__ = [
     "AgentEnv",

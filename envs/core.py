@@ -76,6 +76,9 @@ class AgentEnv(gym.Env[str, str]):
     def _tools(self) -> list[Tool]:
         raise NotImplementedError
 
+    def _before_score(self, episode: Episode) -> None:
+        """Hook run once when the episode ends, before the rubric scores it (e.g. run a query)."""
+
     # -- the Gymnasium API ---------------------------------------------------------------
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
         super().reset(seed=seed)
@@ -181,6 +184,7 @@ class AgentEnv(gym.Env[str, str]):
         assert self._episode is not None
         self._episode.final_answer = self._final_answer
         self._episode.truncated = truncated
+        self._before_score(self._episode)
         score = self.rubric.score(self._episode)
         critiques = [s.critique for s in self._episode.steps if s.critique is not None] + score.critiques
         if truncated:

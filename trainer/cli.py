@@ -125,6 +125,48 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tiny(args: argparse.Namespace) -> int:
+    from trainer.pipeline import build_embedded_model
+
+    path = build_embedded_model(Path(args.out), seed=args.seed)
+    console.print(f"tiny model saved to [bold]{path}[/bold]; load it with --policy hf:{path}")
+    return 0
+
+
+def cmd_sft(args: argparse.Namespace) -> int:
+    from agents.demos import demonstrations
+    from agents.sft import sft
+
+    demos = demonstrations(args.env, args.env_kwargs, episodes=args.episodes, seed=args.seed, imperfect=args.imperfect)
+    stats = sft(args.model.removeprefix("hf:"), demos, args.out, epochs=args.epochs, lr=args.lr, time_budget_s=args.time_budget or None, seed=args.seed)
+    console.print_json(data=stats)
+    console.print(f"warm-started model saved to [bold]{args.out}[/bold]; load it with --policy hf:{args.out}")
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from trainer.config import TrainConfig
+    from trainer.grpo import train
+
+    config = TrainConfig(
+        env_id=args.env, env_kwargs=args.env_kwargs, model=args.model, out=str(args.out), steps=args.steps,
+        group_size=args.group_size, tasks_per_step=args.tasks_per_step, learning_rate=args.lr,
+        loss_type=args.loss_type, scale=args.scale, epsilon_low=args.epsilon_low, epsilon_high=args.epsilon_high,
+        beta=args.beta, num_iterations=args.num_iterations, micro_batch_size=args.micro_batch_size,
+        zero_std=args.zero_std, mask_truncated=args.mask_truncated, temperature=args.temperature, top_p=args.top_p,
+        max_new_tokens=args.max_new_tokens, critique=args.critique, refine_k=args.refine_k,
+        refine_fail_fraction=args.refine_fail_fraction, gamma=args.gamma, shaping=not args.no_shaping,
+        eval_every=args.eval_every, eval_episodes=args.eval_episodes, save_every=args.save_every,
+        time_budget_s=args.time_budget, seed=args.seed, lora_r=args.lora_r,
+    )  # fmt: skip
+    result = train(config, resume=args.resume, console=console)
+    before, after = result["before"], result["after"]
+    if before and after:
+        console.print(f"test success {before['success_rate']:.1%} -> {after['success_rate']:.1%} in {result['train_time_s']:.0f}s of training")
+    console.print(f"metrics: {args.out}/metrics.jsonl, curve: {args.out}/curve.png, model: hf:{result['final']}")
+    return 0
+
+
 # -- parser ---------------------------------------------------------------------------------
 def _add_sampling(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (model policies)")
@@ -169,6 +211,57 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", type=Path)
     p.set_defaults(func=cmd_audit)
 
+    p = sub.add_parser("tiny", help="build the embedded tiny model (tokenizer + Qwen2-architecture model)")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_tiny)
+
+    p = sub.add_parser("sft", help="warm start from scripted demonstrations")
+    p.add_argument("--env", required=True)
+    p.add_argument("--env-kwargs", type=_json_arg, default={})
+    p.add_argument("--model", required=True, help="directory of the model to start from (hf: prefix accepted)")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--episodes", type=int, default=400, help="demonstrations to train on")
+    p.add_argument("--imperfect", type=float, default=0.3, help="share of demonstrations from flawed agents")
+    p.add_argument("--epochs", type=float, default=3.0)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--time-budget", type=float, default=0.0, help="seconds (0: no limit)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_sft)
+
+    p = sub.add_parser("train", help="GRPO / Critique-GRPO on an env's train split")
+    p.add_argument("--env", required=True)
+    p.add_argument("--env-kwargs", type=_json_arg, default={})
+    p.add_argument("--model", required=True, help="local directory or hub name (hf: prefix accepted)")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--tasks-per-step", type=int, default=4)
+    p.add_argument("--lr", type=float, default=2e-4)
+    p.add_argument("--loss-type", default="dapo", choices=["grpo", "bnpo", "dapo", "dr_grpo"])
+    p.add_argument("--scale", default="group", choices=["group", "batch", "none"])
+    p.add_argument("--epsilon-low", type=float, default=0.2)
+    p.add_argument("--epsilon-high", type=float, default=0.2)
+    p.add_argument("--beta", type=float, default=0.0, help="KL weight to the starting model")
+    p.add_argument("--num-iterations", type=int, default=1)
+    p.add_argument("--micro-batch-size", type=int, default=8)
+    p.add_argument("--zero-std", default="keep", choices=["keep", "drop", "resample"])
+    p.add_argument("--mask-truncated", action="store_true")
+    p.add_argument("--critique", default="none", help="none | indicative | ground_truth | step | model:<policy-spec>")
+    p.add_argument("--refine-k", type=int, default=2)
+    p.add_argument("--refine-fail-fraction", type=float, default=1.0)
+    p.add_argument("--gamma", type=float, default=0.1)
+    p.add_argument("--no-shaping", action="store_true", help="train refinements with the plain clipped ratio")
+    p.add_argument("--eval-every", type=int, default=0)
+    p.add_argument("--eval-episodes", type=int, default=50)
+    p.add_argument("--save-every", type=int, default=0)
+    p.add_argument("--time-budget", type=float, default=0.0, help="seconds of training (0: no limit)")
+    p.add_argument("--lora-r", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoints/ (latest)")
+    _add_sampling(p)
+    p.set_defaults(func=cmd_train, max_new_tokens=96)
+
     p = sub.add_parser("bench", help="benchmarks: env overhead per step, trainer vs TRL")
     p.add_argument("what", choices=["env", "trainer"])
     p.add_argument("--env", default="cgym/ApiReport-v0")
@@ -183,6 +276,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     if not hasattr(args, "seed"):
         args.seed = 0
     from envs.errors import CgymError

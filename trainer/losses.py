@@ -60,6 +60,28 @@ def group_advantages(
     return (centred / (std.view(-1, 1) + eps)).flatten()
 
 
+def unified_advantages(rewards: Tensor, groups: Tensor, scale: AdvantageScale = "group", eps: float = 1e-4) -> Tensor:
+    """Advantages for groups of different sizes, one baseline per group: (R - mean_g) / (std_g + eps).
+
+    `groups` (N,) holds each reward's group id. Critique-GRPO (arXiv 2506.03106, sec. 3.3) puts
+    a task's initial attempts and its refinements in one group, so they share one baseline.
+    """
+    _check_choice(scale, ADVANTAGE_SCALES, "scale")
+    rewards = rewards.float()
+    out = torch.zeros_like(rewards)
+    batch_std = rewards.std() if rewards.numel() > 1 else rewards.new_tensor(0.0)
+    for g in torch.unique(groups):
+        rows = groups == g
+        group = rewards[rows]
+        centred = group - group.mean()
+        if scale == "none":
+            out[rows] = centred
+            continue
+        std = (group.std() if group.numel() > 1 else group.new_tensor(0.0)) if scale == "group" else batch_std
+        out[rows] = centred / ((std if std > 0 else 1.0) + eps)
+    return out
+
+
 def kl_k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
     """Per-token k3 estimate of KL(pi || ref): exp(ref - logp) - (ref - logp) - 1, >= 0; shape kept.
 

@@ -36,3 +36,19 @@ def episode_progress(console: Console, total: int, description: str) -> Iterator
             progress.update(task, advance=1, status=f"success {done['ok'] / done['n']:.0%}")
 
         yield advance
+
+
+@contextmanager
+def step_progress(console: Console, total: int, description: str, *, enabled: bool = True, start: int = 0) -> Iterator[Callable[[dict[str, Any]], None]]:
+    """A bar over training steps; the callback takes the step's metrics row."""
+    if not enabled:
+        yield lambda row: None
+        return
+    with _progress(console) as progress:
+        task = progress.add_task(description, total=total, completed=start, status="")
+
+        def advance(row: dict[str, Any]) -> None:
+            status = f"reward {row.get('reward_mean', 0):+.2f} success {row.get('success_rate', 0):.0%} loss {row.get('loss', 0):+.3f} {row.get('step_time_s', 0):.1f}s/step"
+            progress.update(task, advance=1, status=status)
+
+        yield advance

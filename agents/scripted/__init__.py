@@ -24,14 +24,15 @@ class Family:
     marker_tool: str
     agents: dict[str, AgentFn]
     flaw_codes: dict[str, str]
+    near_misses: tuple[str, ...] = ()  # flaws that look like honest mistakes (SFT's imperfect share)
 
 
-FAMILIES: list[Family] = [Family("api_report", "search_customers", API_AGENTS, API_FLAW_CODES)]
+FAMILIES: list[Family] = [Family("api_report", "search_customers", API_AGENTS, API_FLAW_CODES, ("wrong_field", "malformed_json", "skip_pagination", "no_retry"))]
 
 try:  # the SQL family registers itself when present
     from agents.scripted.sql import FLAW_CODES as SQL_FLAW_CODES, SQL_AGENTS
 
-    FAMILIES.append(Family("sql", "run_query", SQL_AGENTS, SQL_FLAW_CODES))
+    FAMILIES.append(Family("sql", "run_query", SQL_AGENTS, SQL_FLAW_CODES, ("wrong_column", "wrong_aggregate", "forgets_order_by", "syntax_error")))
 except ImportError:  # pragma: no cover - during development only
     pass
 

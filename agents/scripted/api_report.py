@@ -106,7 +106,8 @@ def top_product_id(orders: list[dict[str, Any]]) -> int | None:
 
 
 def answer(report: dict[str, Any], state: State) -> str:
-    summary = f"Looked up {state.name} and {sum(len(p) for p in state.pages.values())} orders."
+    orders = sum(len(p) for p in state.pages.values())
+    summary = f"Looked up {state.name}" + (f" and {orders} orders." if state.pages else ".")
     return f"{summary}\n{json.dumps(report)}"
 
 

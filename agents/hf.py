@@ -1,0 +1,118 @@
+"""`hf:<name-or-path>`: a local transformers causal LM as a policy, with a token-exact ledger.
+
+Any causal LM whose tokenizer has a chat template works (the embedded tiny model, or e.g.
+Qwen2.5-0.5B-Instruct by name). Each `act` syncs every conversation's ledger, samples the whole
+batch in one KV-cached decode loop and appends the sampled ids and log-probs to the ledgers, so
+a trainer later learns from exactly those tokens (see `agents.chat`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+from agents.base import Conversation, Turn
+from agents.chat import ChatEncoder
+from agents.sampling import Sample, SamplingParams, sample_batch
+
+
+class HFPolicy:
+    """Samples assistant turns from a transformers model; keeps each conversation's ledger.
+
+    `temperature` 0 is greedy (log-probs then at temperature 1). Log-probs are those of
+    `log_softmax(logits / temperature)`; top-p is not reflected in them. With a `seed`, the
+    same sequence of `act` calls gives the same turns.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        max_new_tokens: int = 256,
+        device: str | torch.device = "cpu",
+        seed: int | None = None,
+        name: str | None = None,
+    ) -> None:
+        self.params = SamplingParams(
+            temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens
+        )
+        self.model = model.to(device).eval()
+        self.tokenizer = tokenizer
+        self.encoder = ChatEncoder(tokenizer)
+        self.generator = torch.Generator(device=device)
+        if seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(seed)
+        self.name = name or f"hf:{getattr(model, 'name_or_path', '') or type(model).__name__}"
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        name_or_path: str | Path,
+        *,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | None = None,
+        **kw: Any,
+    ) -> HFPolicy:
+        """Load model and tokenizer by hub name or local path (float32 on CPU, bf16 on GPU)."""
+        if dtype is None:
+            dtype = torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
+        model = AutoModelForCausalLM.from_pretrained(str(name_or_path), dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(str(name_or_path))
+        return cls(model, tokenizer, device=device, name=f"hf:{name_or_path}", **kw)
+
+    @property
+    def stop_ids(self) -> set[int]:
+        """End-of-turn, the tokenizer's eos and the generation config's eos ids."""
+        ids = {self.encoder.end_of_turn_id}
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        extra = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+        ids.update([extra] if isinstance(extra, int) else (extra or []))
+        return ids
+
+    def act(self, batch: Sequence[Conversation]) -> list[Turn]:
+        """Sync the ledgers, sample one turn per conversation in one batched decode, record it."""
+        for conv in batch:
+            self.encoder.sync(conv)
+        pad_id = self.tokenizer.pad_token_id
+        samples = sample_batch(
+            self.model,
+            [conv.token_ids for conv in batch],
+            params=self.params,
+            stop_ids=self.stop_ids,
+            pad_id=pad_id if pad_id is not None else self.encoder.end_of_turn_id,
+            generator=self.generator,
+        )
+        return [self._record(conv, sample) for conv, sample in zip(batch, samples, strict=True)]
+
+    def _record(self, conv: Conversation, sample: Sample) -> Turn:
+        """Append a sample to the ledger and make its Turn.
+
+        A turn that stopped on another eos than the end-of-turn token (e.g. `<|endoftext|>`) drops
+        that token and is closed like a cut turn, so the ledger keeps the template's layout.
+        """
+        ended = sample.stopped and sample.ids[-1] == self.encoder.end_of_turn_id
+        keep = len(sample.ids) - (sample.stopped and not ended)
+        ids, logprobs = sample.ids[:keep], sample.logprobs[:keep]
+        self.encoder.append_sampled(conv, ids, logprobs, ended=ended)
+        text_ids = ids[:-1] if ended else ids
+        text = self.tokenizer.decode(
+            text_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False
+        )
+        return Turn(
+            text=text, token_ids=tuple(ids), logprobs=tuple(logprobs), truncated=not sample.stopped
+        )

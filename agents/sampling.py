@@ -1,0 +1,216 @@
+"""Batched sampling with a KV cache, and training-style token log-probs, for any causal LM.
+
+`sample_batch` decodes a whole batch of prompts at once: left padding, an attention mask and
+position ids counted from each row's first real token, so a row's log-probs do not depend on
+what it was batched with (up to float rounding). Rows that stop are dropped from the batch (and
+from the cache), and the loop ends when every row is done. `sequence_logprobs` is the matching
+forward pass over stored ids that a trainer uses to recompute (and differentiate) those log-probs.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+import torch
+from torch import Tensor
+from transformers import DynamicCache, PreTrainedModel
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens. temperature 0 is greedy; top_p 1.0 disables nucleus filtering."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 256
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One row's sampled ids and their log-probs; `stopped` means the last id is a stop id."""
+
+    ids: list[int]
+    logprobs: list[float]
+    stopped: bool
+
+
+def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
+    """(B, T) 0/1 mask -> (B, T) positions counting real tokens from 0 (pads get 0 or the last)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp_(min=0)
+
+
+def sequence_logprobs(
+    model: PreTrainedModel, input_ids: Tensor, attention_mask: Tensor, temperature: float = 1.0
+) -> Tensor:
+    """(B, T) ids -> (B, T-1) log-probs of `input_ids[:, 1:]` under `log_softmax(logits / T)`.
+
+    Works with left or right padding (positions come from the mask); values at padded targets
+    are meaningless and must be masked by the caller. Differentiable. The (T, V) log-softmax is
+    never materialised: each row takes `logit[target] - logsumexp(logits)` and moves on.
+    A temperature <= 0 (greedy sampling) means 1, as in `sample_batch`.
+    """
+    scale = temperature if temperature > 0 else 1.0
+    logits = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
+    ).logits  # (B, T, V)
+    targets = input_ids[:, 1:].unsqueeze(-1)  # (B, T-1, 1)
+    rows = []
+    for b in range(input_ids.shape[0]):
+        row = logits[b, :-1].float()  # (T-1, V)
+        if scale != 1.0:
+            row = row / scale
+        rows.append(row.gather(-1, targets[b]).squeeze(-1) - torch.logsumexp(row, dim=-1))
+    return torch.stack(rows)
+
+
+@torch.inference_mode()
+def sample_batch(
+    model: PreTrainedModel,
+    prompts: Sequence[Sequence[int]],
+    *,
+    params: SamplingParams,
+    stop_ids: Collection[int],
+    pad_id: int,
+    generator: torch.Generator | None = None,
+) -> list[Sample]:
+    """Sample one continuation per prompt, stopping each row at a stop id or max_new_tokens.
+
+    Log-probs are those of `log_softmax(logits / temperature)` (temperature 1 when greedy); the
+    top-p filter changes which tokens can be drawn but is not reflected in the stored log-probs.
+    """
+    if not prompts:
+        return []
+    device = model.device
+    steps = params.max_new_tokens
+    input_ids, mask = _left_pad(prompts, pad_id, steps, device)  # (B, L), (B, L + steps)
+    prompt_len = input_ids.shape[1]
+    positions = position_ids_from_mask(mask[:, :prompt_len])
+    cache = _new_cache(model)
+    logits = _next_logits(model, input_ids, mask[:, :prompt_len], positions, cache)  # (B, V)
+    next_pos = positions[:, -1:] + 1  # (b, 1)
+
+    batch = len(prompts)
+    out_ids = torch.full((batch, steps), pad_id, dtype=torch.long, device=device)
+    out_lp = torch.zeros((batch, steps), dtype=torch.float32, device=device)
+    lengths = torch.full((batch,), steps, dtype=torch.long)
+    stopped = torch.zeros(batch, dtype=torch.bool)
+    stop = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
+    active = torch.arange(batch, device=device)  # original row of each live row
+    for t in range(steps):
+        tok, lp = _pick(logits, params, generator)  # (b,), (b,)
+        out_ids[active, t] = tok
+        out_lp[active, t] = lp
+        done = torch.isin(tok, stop)
+        if bool(done.any()):
+            finished = active[done].cpu()
+            lengths[finished] = t + 1
+            stopped[finished] = True
+            keep = (~done).nonzero().squeeze(1)
+            if keep.numel() == 0:
+                break
+            active, tok, next_pos, mask = active[keep], tok[keep], next_pos[keep], mask[keep]
+            cache.batch_select_indices(keep)
+        if t + 1 == steps:
+            break
+        logits = _next_logits(model, tok[:, None], mask[:, : prompt_len + t + 1], next_pos, cache)
+        next_pos = next_pos + 1
+    return _collect(out_ids.cpu(), out_lp.cpu(), lengths, stopped)
+
+
+def _left_pad(
+    prompts: Sequence[Sequence[int]], pad_id: int, steps: int, device: torch.device
+) -> tuple[Tensor, Tensor]:
+    """Left-padded (B, L) ids and a (B, L + steps) mask whose generated columns are already 1."""
+    width = max(len(p) for p in prompts)
+    if min(len(p) for p in prompts) == 0:
+        raise ValueError("cannot sample from an empty prompt")
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.ones((len(prompts), width + steps), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+        mask[row, : width - len(prompt)] = 0
+    return ids.to(device), mask.to(device)
+
+
+def _pick(
+    logits: Tensor, params: SamplingParams, generator: torch.Generator | None
+) -> tuple[Tensor, Tensor]:
+    """(b, V) logits -> sampled ids (b,) and their log-probs (b,)."""
+    logits = logits.float()
+    if params.temperature == 0:
+        logp = torch.log_softmax(logits, dim=-1)
+        tok = logp.argmax(-1)
+    else:
+        logp = torch.log_softmax(logits / params.temperature, dim=-1)
+        allowed = logp if params.top_p == 1.0 else _top_p_mask(logp, params.top_p)
+        tok = _gumbel_argmax(allowed, generator)
+    return tok, logp.gather(-1, tok[:, None]).squeeze(1)
+
+
+def _gumbel_argmax(logp: Tensor, generator: torch.Generator | None) -> Tensor:
+    """One draw per row from (b, V) log-probs as argmax(logp + Gumbel noise): exact, and cheaper
+    than `torch.multinomial` on CPU."""
+    noise = torch.rand(logp.shape, generator=generator, device=logp.device).log_().neg_().log_()
+    return (logp - noise).argmax(-1)
+
+
+def _top_p_mask(logp: Tensor, top_p: float) -> Tensor:
+    """-inf outside the smallest set of top tokens whose mass reaches top_p (the top one stays)."""
+    sorted_lp, order = logp.sort(dim=-1, descending=True)
+    probs = sorted_lp.exp()
+    mass_before = probs.cumsum(-1) - probs
+    sorted_lp = sorted_lp.masked_fill(mass_before >= top_p, float("-inf"))
+    return torch.empty_like(logp).scatter_(-1, order, sorted_lp)
+
+
+def _next_logits(
+    model: PreTrainedModel, ids: Tensor, mask: Tensor, positions: Tensor, cache: Any
+) -> Tensor:
+    """One forward step through the cache; returns the last position's logits (b, V)."""
+    kwargs = {_forward_kwargs(type(model))[0]: cache}
+    if _forward_kwargs(type(model))[1]:
+        kwargs["logits_to_keep"] = 1
+    out = model(
+        input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **kwargs
+    )
+    return out.logits[:, -1]
+
+
+@cache
+def _forward_kwargs(model_cls: type) -> tuple[str, bool]:
+    """(name of the cache argument, whether `logits_to_keep` exists) for this model class."""
+    params = inspect.signature(model_cls.forward).parameters
+    cache_name = "cache" if "cache" in params else "past_key_values"
+    return cache_name, "logits_to_keep" in params
+
+
+def _new_cache(model: PreTrainedModel) -> DynamicCache:
+    try:
+        return DynamicCache(config=model.config)
+    except TypeError:  # older transformers: no config argument
+        return DynamicCache()
+
+
+def _collect(out_ids: Tensor, out_lp: Tensor, lengths: Tensor, stopped: Tensor) -> list[Sample]:
+    samples = []
+    for row in range(out_ids.shape[0]):
+        n = int(lengths[row])
+        samples.append(
+            Sample(out_ids[row, :n].tolist(), out_lp[row, :n].tolist(), bool(stopped[row]))
+        )
+    return samples

@@ -1,0 +1,196 @@
+"""Supervised warm start on scripted demonstrations, in exactly the layout sampling produces.
+
+Each demonstration `(messages, tools)` is laid out by `ChatEncoder.encode_demo`, so the model is
+trained on the same token ledger it will later sample into, with loss on assistant tokens only
+(their end-of-turn token included). Batches group demos of similar length; AdamW with a short
+warm-up and cosine decay; deterministic for a given seed.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from torch import Tensor
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from agents.chat import ChatEncoder
+from agents.sampling import sequence_logprobs
+
+Demo = tuple[list[dict[str, Any]], list[dict[str, Any]]]
+Example = tuple[list[int], list[int]]  # (ids, loss mask)
+
+
+def sft(
+    model_dir_in: str | Path,
+    demos: Sequence[Demo],
+    out_dir: str | Path,
+    *,
+    epochs: float = 2.0,
+    lr: float = 3e-3,
+    batch_size: int = 8,
+    max_len: int = 2048,
+    time_budget_s: float | None = None,
+    seed: int = 0,
+    progress: bool = True,
+    all_tokens: bool = False,
+) -> dict[str, float]:
+    """Fine-tune the model in `model_dir_in` on `demos` and save model + tokenizer to `out_dir`.
+
+    Demos longer than `max_len` tokens are cut (their remaining assistant tokens still count).
+    `time_budget_s` stops early, after the step that crosses it. Returns `steps`, `final_loss`
+    (mean over the last 10% of steps), `first_loss`, `tokens` (all tokens seen), `loss_tokens`
+    (assistant tokens seen) and `seconds`. `all_tokens` puts the loss on every token instead
+    (pre-training on transcripts, as `cgym tiny` does).
+    """
+    if epochs <= 0 or batch_size < 1 or max_len < 2:
+        raise ValueError(
+            f"need epochs > 0, batch_size >= 1, max_len >= 2; got {epochs}, {batch_size}, {max_len}"
+        )
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir_in), dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir_in))
+    encoder = ChatEncoder(tokenizer)
+    examples = encode_demos(encoder, demos, max_len)
+    if all_tokens:  # language-model pre-training on whole transcripts (prompts and tool replies too)
+        examples = [(ids, [1] * len(ids)) for ids, _ in examples]
+    pad_id = (
+        tokenizer.pad_token_id if tokenizer.pad_token_id is not None else encoder.end_of_turn_id
+    )
+    batches = length_buckets(examples, batch_size)
+    total = max(1, math.ceil(epochs * len(batches)))
+    stats = _train(
+        model,
+        batches,
+        pad_id,
+        total,
+        lr=lr,
+        seed=seed,
+        time_budget_s=time_budget_s,
+        progress=progress,
+    )
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return stats
+
+
+def encode_demos(encoder: ChatEncoder, demos: Sequence[Demo], max_len: int) -> list[Example]:
+    """Ledger layout of every demo, cut to `max_len` (dropped if no assistant token is left)."""
+    examples = []
+    for messages, tools in demos:
+        ids, mask = encoder.encode_demo(messages, tools)
+        ids, mask = ids[:max_len], mask[:max_len]
+        if any(mask[1:]):
+            examples.append((ids, mask))
+    if not examples:
+        raise ValueError("no demonstration has an assistant token within max_len")
+    return examples
+
+
+def length_buckets(examples: Sequence[Example], batch_size: int) -> list[list[Example]]:
+    """Batches of similar length (sorted by length, then cut), so little compute goes to padding."""
+    ordered = sorted(examples, key=lambda ex: len(ex[0]))
+    return [ordered[i : i + batch_size] for i in range(0, len(ordered), batch_size)]
+
+
+def collate(batch: Sequence[Example], pad_id: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Right-padded (B, T) ids, attention mask and loss mask."""
+    width = max(len(ids) for ids, _ in batch)
+    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(batch), width), dtype=torch.long)
+    loss_mask = torch.zeros((len(batch), width), dtype=torch.float32)
+    for row, (row_ids, row_mask) in enumerate(batch):
+        ids[row, : len(row_ids)] = torch.tensor(row_ids)
+        attention[row, : len(row_ids)] = 1
+        loss_mask[row, : len(row_mask)] = torch.tensor(row_mask, dtype=torch.float32)
+    return ids, attention, loss_mask
+
+
+def sft_loss(model: PreTrainedModel, ids: Tensor, attention: Tensor, loss_mask: Tensor) -> Tensor:
+    """Mean negative log-likelihood over the tokens with loss mask 1."""
+    logprobs = sequence_logprobs(model, ids, attention)  # (B, T-1)
+    targets = loss_mask[:, 1:]
+    return -(logprobs * targets).sum() / targets.sum().clamp(min=1.0)
+
+
+def _schedule(step: int, total: int) -> float:
+    """LR multiplier: linear warm-up over the first ~5% of steps, then cosine decay to 10%."""
+    warmup = max(1, total // 20)
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def _batch_order(batches: list[list[Example]], rng: random.Random) -> Iterator[list[Example]]:
+    """Shuffled batches, epoch after epoch, forever."""
+    while True:
+        yield from rng.sample(batches, len(batches))
+
+
+def _train(
+    model: PreTrainedModel,
+    batches: list[list[Example]],
+    pad_id: int,
+    total: int,
+    *,
+    lr: float,
+    seed: int,
+    time_budget_s: float | None,
+    progress: bool,
+) -> dict[str, float]:
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _schedule(step, total))
+    order = _batch_order(batches, random.Random(seed))
+    losses: list[float] = []
+    tokens = loss_tokens = 0
+    start = time.perf_counter()
+    with Progress(
+        TextColumn("sft"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("loss {task.fields[loss]:.3f}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        disable=not progress,
+    ) as bar:
+        task = bar.add_task("sft", total=total, loss=float("nan"))
+        for _ in range(total):
+            ids, attention, loss_mask = collate(next(order), pad_id)
+            loss = sft_loss(model, ids, attention, loss_mask)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            scheduler.step()
+            losses.append(loss.item())
+            tokens += int(attention.sum())
+            loss_tokens += int(loss_mask[:, 1:].sum())
+            bar.update(task, advance=1, loss=losses[-1])
+            if time_budget_s is not None and time.perf_counter() - start > time_budget_s:
+                break
+    model.eval()
+    tail = losses[-max(1, len(losses) // 10) :]
+    return {
+        "steps": len(losses),
+        "first_loss": losses[0],
+        "final_loss": sum(tail) / len(tail),
+        "tokens": tokens,
+        "loss_tokens": loss_tokens,
+        "seconds": time.perf_counter() - start,
+    }

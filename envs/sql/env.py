@@ -1,0 +1,184 @@
+"""`cgym/SqlQuery-v0`: answer a question about a SQLite database with one SQL query.
+
+Tools: `list_tables`, `describe_table`, `run_query` (rows capped) and `submit_query`; a final
+answer with the query in a ```sql block counts as a submission too. Every query, exploratory or
+submitted, runs in a hardened read-only `Sandbox`. One sandbox per database file is opened per
+env and reused across episodes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+
+from envs.core import AgentEnv
+from envs.episode import Episode
+from envs.errors import check_choice, did_you_mean
+from envs.rubric import Rubric
+from envs.sql.checks import default_rubric, judge
+from envs.sql.lexer import extract_query
+from envs.sql.match import render_row
+from envs.sql.sandbox import DEFAULT_TIME_BUDGET_S, Sandbox, SqlError
+from envs.sql.schemas import SCHEMAS, SchemaName
+from envs.sql.tasks import SPLITS, Split, SqlTask, sample_task, task_pool
+from envs.sql.templates import DIFFICULTIES, Difficulty
+from envs.tools import Tool, ToolError
+
+SHOWN_ROWS = 20
+MAX_CELL_CHARS = 60
+
+SYSTEM_PROMPT = (
+    "You are a careful data analyst. Answer the question with one SQLite query. Use list_tables, "
+    "describe_table and run_query to explore, then call submit_query with your final query. "
+    "Return exactly the columns the question asks for, in that order."
+)
+
+
+class SqlQueryEnv(AgentEnv):
+    """Write a SQL query whose result matches the gold query's result.
+
+    Args:
+        difficulty: "easy" (one-table filters), "medium" (aggregates, GROUP BY / HAVING,
+            ORDER BY / LIMIT) or "hard" (joins, nested queries, NULLs, ties).
+        split: "train" or "test"; they use disjoint entities for every question template.
+        schema: "shop", "hr", "flights", or None to mix all three.
+        max_turns: turn limit; exploration is free until it runs out.
+        query_timeout_s: time budget of every query before the sandbox stops it.
+        rubric: replace the default rubric (see `envs.sql.checks`).
+    """
+
+    system_prompt: ClassVar[str] = SYSTEM_PROMPT
+    truncation_code: ClassVar[str] = "no_submission"
+
+    def __init__(
+        self,
+        *,
+        difficulty: Difficulty = "easy",
+        split: Split = "train",
+        schema: SchemaName | None = None,
+        max_turns: int = 8,
+        query_timeout_s: float = DEFAULT_TIME_BUDGET_S,
+        rubric: Rubric | None = None,
+        render_mode: str | None = None,
+    ) -> None:
+        check_choice("difficulty", difficulty, DIFFICULTIES)
+        check_choice("split", split, SPLITS)
+        if schema is not None:
+            check_choice("schema", schema, SCHEMAS)
+        self.difficulty = difficulty
+        self.split = split
+        self.schema = schema
+        self._init_common(query_timeout_s, rubric)
+        super().__init__(max_turns=max_turns, render_mode=render_mode)
+
+    def _init_common(self, query_timeout_s: float, rubric: Rubric | None) -> None:
+        if isinstance(query_timeout_s, bool) or not isinstance(query_timeout_s, (int, float)) or not 0 < query_timeout_s <= 30:
+            raise ValueError(f"query_timeout_s must be a number of seconds in (0, 30], got {query_timeout_s!r}")
+        self.query_timeout_s = float(query_timeout_s)
+        self.rubric = rubric or default_rubric()
+        self._sandboxes: dict[Path, Sandbox] = {}
+        self._db: Sandbox | None = None
+        self._pool: tuple[SqlTask, ...] | None = None
+
+    # -- episode setup -------------------------------------------------------------------
+    def tasks(self) -> tuple[SqlTask, ...]:
+        """The tasks this env samples from (built on first use)."""
+        if self._pool is None:
+            self._pool = task_pool(self.difficulty, self.split, self.schema)
+        return self._pool
+
+    def _sample_task(self, rng: np.random.Generator) -> SqlTask:
+        return sample_task(rng, self.tasks())
+
+    def _begin_episode(self, task: SqlTask) -> None:  # type: ignore[override]
+        sandbox = self._sandboxes.get(task.db_path)
+        if sandbox is None:
+            sandbox = self._sandboxes[task.db_path] = Sandbox(task.db_path, time_budget_s=self.query_timeout_s).open()
+        self._db = sandbox
+
+    def close(self) -> None:
+        for sandbox in self._sandboxes.values():
+            sandbox.close()
+        self._sandboxes.clear()
+        self._db = None
+        super().close()
+
+    def _tools(self) -> list[Tool]:
+        return [Tool.from_function(m) for m in (self.list_tables, self.describe_table, self.run_query, self.submit_query)]
+
+    # -- tools ---------------------------------------------------------------------------
+    def list_tables(self) -> str:
+        """List the database's tables with their row counts."""
+        db = self._sandbox()
+        return "\n".join(f"{t.name} ({t.row_count} rows)" for t in db.tables.values()) or "(no tables)"
+
+    def describe_table(self, table: str) -> str:
+        """Show a table's columns with their types, and a few sample rows.
+
+        Args:
+            table: The table's name, as list_tables shows it.
+        """
+        db = self._sandbox()
+        info = db.tables.get(table) or next((t for name, t in db.tables.items() if name.lower() == table.lower()), None)
+        if info is None:
+            raise ToolError("unknown_table", f"There is no table {table!r}.{did_you_mean(table, db.tables)}",
+                            expected=sorted(db.tables), got=table)
+        columns = ", ".join(f"{name} {kind}".strip() for name, kind in info.columns)
+        sample = _table([name for name, _ in info.columns], list(info.sample))
+        return f"Table {info.name} ({info.row_count} rows)\nColumns: {columns}\nSample rows:\n{sample}"
+
+    def run_query(self, query: str) -> str:
+        """Run a read-only SQL query and show up to 20 rows of its result.
+
+        Args:
+            query: One SQLite SELECT statement.
+        """
+        try:
+            result = self._sandbox().run(query, max_rows=SHOWN_ROWS)
+        except SqlError as exc:
+            raise ToolError(exc.code, exc.message, expected=exc.expected, got=exc.got) from None
+        count = f"(first {SHOWN_ROWS} rows shown; there are more)" if result.truncated else f"({len(result.rows)} rows)"
+        return f"{_table(list(result.columns), result.rows)}\n{count}"
+
+    def submit_query(self, query: str) -> str:
+        """Submit your final SQL query; this ends the episode.
+
+        Args:
+            query: The SQLite SELECT statement that answers the question.
+        """
+        assert self.episode is not None, "reset() first"
+        self.episode.extras["submitted"] = query
+        self._finish(query)
+        return "Submitted."
+
+    # -- judging -------------------------------------------------------------------------
+    def _before_score(self, episode: Episode) -> None:
+        """Judge the submission once: the submitted query, else the final answer's ```sql block."""
+        if episode.final_answer is None:
+            return  # truncated: nothing was submitted
+        assert isinstance(episode.task, SqlTask)
+        query = episode.extras["submitted"] if "submitted" in episode.extras else extract_query(episode.final_answer)
+        if query is not None and "```" in query:
+            query = extract_query(query)
+        episode.extras["verdict"] = judge(episode.task, query, self._sandbox(), time_budget_s=self.query_timeout_s)
+
+    def _sandbox(self) -> Sandbox:
+        assert self._db is not None, "reset() first"
+        return self._db
+
+
+def _table(columns: list[str], rows: list[tuple[Any, ...]]) -> str:
+    """A compact pipe table: header, then one line per row; NULL spelled out."""
+    lines = [" | ".join(columns)]
+    for row in rows:
+        lines.append(" | ".join(_cell(v) for v in render_row(row)))
+    return "\n".join(lines)
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "NULL"
+    text = str(value).replace("\n", " ")
+    return text if len(text) <= MAX_CELL_CHARS else text[: MAX_CELL_CHARS - 3] + "..."

@@ -1,0 +1,309 @@
+"""The hf: policy: token-exact ledger, batched sampling with padding, seeding, stop handling."""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from agents.base import Conversation, Policy, Turn
+from agents.chat import ChatEncoder, LedgerError
+from agents.hf import HFPolicy
+from agents.sampling import _top_p_mask, sequence_logprobs
+from agents.tiny import build_tiny
+
+SIZES = dict(
+    vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, max_positions=1024
+)
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_orders",
+            "description": "List a customer's orders.",
+            "parameters": {"type": "object", "properties": {"customer_id": {"type": "integer"}}},
+        },
+    }
+]
+
+
+def chat_corpus(n: int = 300, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    words = "order customer product total status shipped pending report table query".split()
+    return [
+        json.dumps({"name": "get_orders", "arguments": {"customer_id": rng.randint(1, 999)}})
+        + f"<|im_start|>user\n{' '.join(rng.choices(words, k=8))}<|im_end|>\n"
+        for _ in range(n)
+    ]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread() -> Iterator[None]:
+    """Tiny tensors: one intra-op thread is as fast, and does not thrash on a busy 2-core box."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny(tmp_path_factory.mktemp("tiny"), chat_corpus(), **SIZES)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_dir: Path):
+    return AutoModelForCausalLM.from_pretrained(tiny_dir).eval()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_dir: Path):
+    return AutoTokenizer.from_pretrained(tiny_dir)
+
+
+def new_conversation(user: str = "Report customer 7's orders.") -> Conversation:
+    return Conversation(
+        messages=[
+            {"role": "system", "content": "You are an API agent."},
+            {"role": "user", "content": user},
+        ],
+        tools=TOOLS,
+    )
+
+
+def play(policy: HFPolicy, convs: list[Conversation], turns: int) -> list[list[Turn]]:
+    """Act `turns` times; after each turn the 'env' records it and answers with a tool message."""
+    history: list[list[Turn]] = [[] for _ in convs]
+    for t in range(turns):
+        for conv, turn, past in zip(convs, policy.act(convs), history, strict=True):
+            past.append(turn)
+            conv.messages.append({"role": "assistant", "content": turn.text})
+            if t + 1 < turns:
+                conv.messages.append(
+                    {"role": "tool", "content": json.dumps({"turn": t, "rows": [1, 2]})}
+                )
+    return history
+
+
+def forward_logprobs(model, conv: Conversation, temperature: float = 1.0) -> torch.Tensor:
+    """Training-style log-probs of every ledger token (index i: token i given the ones before)."""
+    ids = torch.tensor([conv.token_ids])
+    with torch.no_grad():
+        lp = sequence_logprobs(model, ids, torch.ones_like(ids), temperature)[0]
+    return torch.cat([torch.zeros(1), lp])
+
+
+def assert_ledger_reproduced(model, conv: Conversation, temperature: float = 1.0) -> None:
+    assert len(conv.token_ids) == len(conv.loss_mask) == len(conv.logprobs)
+    mask = torch.tensor(conv.loss_mask, dtype=torch.bool)
+    assert mask.any()
+    stored = torch.tensor(conv.logprobs)
+    assert (stored[~mask] == 0).all()
+    recomputed = forward_logprobs(model, conv, temperature)
+    torch.testing.assert_close(recomputed[mask], stored[mask], atol=1e-4, rtol=0)
+
+
+def test_is_a_policy(model, tokenizer) -> None:
+    assert isinstance(HFPolicy(model, tokenizer), Policy)
+
+
+def test_three_turn_episode_is_token_exact(model, tokenizer) -> None:
+    policy = HFPolicy(model, tokenizer, max_new_tokens=24, seed=0)
+    conv = new_conversation()
+    (turns,) = play(policy, [conv], turns=3)
+
+    assert_ledger_reproduced(model, conv)
+    assert conv.prompt_len > 0 and not any(conv.loss_mask[: conv.prompt_len])
+    sampled = [i for i, m in zip(conv.token_ids, conv.loss_mask, strict=True) if m]
+    assert sampled == [i for turn in turns for i in turn.token_ids]
+    # The ledger decodes to the template's rendering; it stops at the last <|im_end|>, the
+    # template's newline after it arrives with the next env delta.
+    text = tokenizer.decode(conv.token_ids, skip_special_tokens=False)
+    rendered = tokenizer.apply_chat_template(conv.messages, tools=TOOLS, tokenize=False)
+    assert text + "\n" == rendered
+    conv.messages.append({"role": "user", "content": "Go on."})
+    policy.encoder.sync(conv)
+    assert tokenizer.decode(
+        conv.token_ids, skip_special_tokens=False
+    ) == tokenizer.apply_chat_template(
+        conv.messages, tools=TOOLS, tokenize=False, add_generation_prompt=True
+    )
+
+
+def test_sampled_ids_are_never_retokenized(model, tokenizer) -> None:
+    """The env stores decoded text; the ledger keeps the sampled ids, whatever they re-encode to."""
+    policy = HFPolicy(model, tokenizer, max_new_tokens=32, seed=3)
+    conv = new_conversation()
+    (turn,) = policy.act([conv])
+    ledger = list(conv.token_ids)
+    conv.messages.append({"role": "assistant", "content": turn.text})
+    conv.messages.append({"role": "tool", "content": "ok"})
+    policy.encoder.sync(conv)
+    assert conv.token_ids[: len(ledger)] == ledger
+    assert (
+        tuple(ledger[-len(turn.token_ids) - (1 if turn.truncated else 0) :][: len(turn.token_ids)])
+        == turn.token_ids
+    )
+
+
+def test_batched_act_matches_forward_pass(model, tokenizer) -> None:
+    policy = HFPolicy(model, tokenizer, max_new_tokens=20, seed=1)
+    convs = [new_conversation("Orders? " * n) for n in (1, 6, 15)]
+    assert len({len(policy.encoder.render(c.messages, TOOLS, True)) for c in convs}) == 3
+    play(policy, convs, turns=2)
+    for conv in convs:
+        assert_ledger_reproduced(model, conv)
+
+
+def test_sequence_logprobs_is_padding_invariant(model) -> None:
+    rows = [[5, 9, 17, 33, 2], [7, 8, 9]]
+    single = [
+        sequence_logprobs(model, torch.tensor([r]), torch.ones(1, len(r), dtype=torch.long))[0]
+        for r in rows
+    ]
+    for side in ("left", "right"):
+        ids = torch.zeros(2, 5, dtype=torch.long)
+        mask = torch.zeros(2, 5, dtype=torch.long)
+        for b, r in enumerate(rows):
+            span = slice(5 - len(r), 5) if side == "left" else slice(0, len(r))
+            ids[b, span] = torch.tensor(r)
+            mask[b, span] = 1
+        batched = sequence_logprobs(model, ids, mask)
+        assert batched.shape == (2, 4)
+        torch.testing.assert_close(batched[0], single[0], atol=1e-5, rtol=0)
+        short = batched[1, 2:] if side == "left" else batched[1, :2]
+        torch.testing.assert_close(short, single[1], atol=1e-5, rtol=0)
+
+
+def test_same_seed_same_turns(model, tokenizer) -> None:
+    def run(seed: int) -> list[list[Turn]]:
+        policy = HFPolicy(model, tokenizer, max_new_tokens=16, seed=seed)
+        return play(policy, [new_conversation("a"), new_conversation("b b b")], turns=2)
+
+    assert run(5) == run(5)
+    assert run(5) != run(6)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7], ids=["greedy", "t0.7"])
+def test_temperature_logprobs(model, tokenizer, temperature: float) -> None:
+    """Greedy stores temperature-1 log-probs; otherwise those of logits / temperature."""
+    convs = [new_conversation(), new_conversation("x")]
+    policy = HFPolicy(model, tokenizer, temperature=temperature, max_new_tokens=12, seed=0)
+    turns = policy.act(convs)
+    for conv in convs:
+        assert_ledger_reproduced(model, conv, temperature if temperature > 0 else 1.0)
+    if temperature == 0:
+        again = HFPolicy(model, tokenizer, temperature=0, max_new_tokens=12, seed=99).act(
+            [new_conversation(), new_conversation("x")]
+        )
+        assert again == turns
+
+
+def test_top_p_mask_keeps_the_nucleus() -> None:
+    logp = torch.tensor([[0.05, 0.5, 0.15, 0.3], [0.97, 0.01, 0.01, 0.01]]).log()
+    kept = torch.isfinite(_top_p_mask(logp, 0.7))
+    assert kept.tolist() == [[False, True, False, True], [True, False, False, False]]
+
+
+def test_top_p_sampling_stays_in_the_nucleus(model, tokenizer) -> None:
+    policy = HFPolicy(model, tokenizer, top_p=1e-6, max_new_tokens=8, seed=0)
+    greedy = HFPolicy(model, tokenizer, temperature=0.0, max_new_tokens=8)
+    # A nucleus smaller than any token's mass holds only the top token: sampling becomes greedy.
+    assert (
+        policy.act([new_conversation()])[0].token_ids
+        == greedy.act([new_conversation()])[0].token_ids
+    )
+
+
+@contextmanager
+def biased(model, token_id: int, bias: float) -> Iterator[None]:
+    """Add `bias` to one token's logit, to make a random model stop now and then."""
+
+    def hook(module, inputs, output):
+        output[..., token_id] += bias
+        return output
+
+    handle = model.lm_head.register_forward_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def test_stops_at_end_of_turn_or_max_new_tokens(model, tokenizer) -> None:
+    eot = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    policy = HFPolicy(model, tokenizer, max_new_tokens=6, seed=0)
+    convs = [new_conversation(str(i)) for i in range(12)]
+    with biased(model, eot, 5.0):
+        turns = policy.act(convs)
+        for conv, turn in zip(convs, turns, strict=True):
+            assert conv.token_ids[-1] == eot
+            assert conv.loss_mask[-1] == (0 if turn.truncated else 1)
+            assert (len(turn.token_ids) == 6) if turn.truncated else (turn.token_ids[-1] == eot)
+            assert eot not in turn.token_ids[:-1]
+            assert turn.text == tokenizer.decode(
+                [i for i in turn.token_ids if i != eot], skip_special_tokens=False
+            )
+            assert_ledger_reproduced(model, conv)
+    assert {t.truncated for t in turns} == {True, False}
+
+
+def test_other_eos_is_replaced_by_end_of_turn(model, tokenizer) -> None:
+    eot, other = (tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>"))
+    saved = model.generation_config.eos_token_id
+    model.generation_config.eos_token_id = [eot, other]
+    try:
+        policy = HFPolicy(model, tokenizer, max_new_tokens=8, seed=0)
+        conv = new_conversation()
+        with biased(model, other, 50.0):
+            (turn,) = policy.act([conv])
+    finally:
+        model.generation_config.eos_token_id = saved
+    assert turn.token_ids == () and turn.text == "" and not turn.truncated
+    assert conv.token_ids[-1] == eot and conv.loss_mask[-1] == 0
+
+
+def test_acting_twice_without_recording_the_turn_fails(model, tokenizer) -> None:
+    policy = HFPolicy(model, tokenizer, max_new_tokens=4, seed=0)
+    conv = new_conversation()
+    policy.act([conv])
+    with pytest.raises(LedgerError, match="append the assistant message"):
+        policy.act([conv])
+
+
+def test_template_without_prefix_property_is_detected(tokenizer) -> None:
+    """A template that re-renders history differently (here: a message count up front) cannot be
+    extended by a delta; the ledger refuses instead of splicing."""
+    counting = copy.copy(tokenizer)
+    counting.chat_template = "{{ messages | length }}" + tokenizer.chat_template
+    encoder = ChatEncoder(counting)
+    conv = new_conversation()
+    encoder.sync(conv)
+    encoder.append_sampled(conv, [encoder.end_of_turn_id], [0.0], ended=True)
+    conv.messages += [{"role": "assistant", "content": ""}, {"role": "tool", "content": "x"}]
+    with pytest.raises(LedgerError, match="prefix"):
+        encoder.sync(conv)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"temperature": -1.0}, {"top_p": 0.0}, {"max_new_tokens": 0}],
+    ids=["temperature", "top_p", "max_new"],
+)
+def test_bad_sampling_options(model, tokenizer, kwargs: dict) -> None:
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        HFPolicy(model, tokenizer, **kwargs)
+
+
+def test_from_pretrained(tiny_dir: Path) -> None:
+    policy = HFPolicy.from_pretrained(tiny_dir, max_new_tokens=3, seed=0)
+    assert policy.name == f"hf:{tiny_dir}"
+    assert policy.model.dtype == torch.float32
+    assert len(policy.act([new_conversation()])) == 1

@@ -1,0 +1,178 @@
+"""SFT warm start: demo layout (assistant-only loss mask), loss goes down, output loads and acts."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from agents.base import Conversation
+from agents.chat import ChatEncoder, LedgerError
+from agents.hf import HFPolicy
+from agents.sft import length_buckets, sft
+from agents.tiny import build_tiny
+
+SIZES = dict(
+    vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, max_positions=1024
+)
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_total",
+            "description": "A customer's order total.",
+            "parameters": {"type": "object", "properties": {"customer_id": {"type": "integer"}}},
+        },
+    }
+]
+
+
+def demo(customer: int) -> tuple[list[dict], list[dict]]:
+    call = json.dumps({"name": "get_total", "arguments": {"customer_id": customer}})
+    return (
+        [
+            {"role": "system", "content": "Answer with JSON."},
+            {"role": "user", "content": f"Total for customer {customer}?"},
+            {"role": "assistant", "content": f"<tool_call>\n{call}\n</tool_call>"},
+            {"role": "tool", "content": json.dumps({"total": customer * 3})},
+            {"role": "assistant", "content": json.dumps({"total": customer * 3})},
+        ],
+        TOOLS,
+    )
+
+
+DEMOS = [demo(c) for c in (3, 12, 25, 40, 57, 61, 78, 90)]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread() -> Iterator[None]:
+    """Tiny tensors: one intra-op thread is as fast, and does not thrash on a busy 2-core box."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    rng = random.Random(0)
+    words = "order customer total answer json tool call report".split()
+    corpus = [
+        json.dumps(
+            {
+                "name": "get_total",
+                "arguments": {"customer_id": rng.randint(1, 99)},
+                "note": rng.choice(words),
+            }
+        )
+        + f" Total for customer {rng.randint(1, 99)}? {' '.join(rng.choices(words, k=5))}"
+        for _ in range(300)
+    ]
+    return build_tiny(tmp_path_factory.mktemp("tiny"), corpus, **SIZES)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_dir: Path):
+    return AutoTokenizer.from_pretrained(tiny_dir)
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("sft")
+    stats = sft(tiny_dir, DEMOS, out, epochs=40, lr=3e-3, batch_size=4, seed=0, progress=False)
+    return out, stats
+
+
+def test_demo_mask_covers_exactly_the_assistant_turns(tokenizer) -> None:
+    messages, tools = DEMOS[0]
+    ids, mask = ChatEncoder(tokenizer).encode_demo(messages, tools)
+    assert len(ids) == len(mask) and set(mask) == {0, 1}
+    masked = tokenizer.decode(
+        [i for i, m in zip(ids, mask, strict=True) if m], skip_special_tokens=False
+    )
+    assert masked == "".join(
+        m["content"] + "<|im_end|>" for m in messages if m["role"] == "assistant"
+    )
+    rendered = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
+    assert tokenizer.decode(ids, skip_special_tokens=False) + "\n" == rendered
+
+
+def test_demo_layout_matches_sampling_layout(tokenizer) -> None:
+    """A demo's ledger is the one sync + append_sampled would build while playing the demo."""
+    messages, tools = DEMOS[1]
+    encoder = ChatEncoder(tokenizer)
+    conv = Conversation(messages=messages[:2], tools=tools)
+    for i in (2, 4):
+        encoder.sync(conv)
+        ids = tokenizer.encode(messages[i]["content"], add_special_tokens=False) + [
+            encoder.end_of_turn_id
+        ]
+        encoder.append_sampled(conv, ids, [0.0] * len(ids), ended=True)
+        conv.messages = messages[: i + 2]
+    assert encoder.encode_demo(messages, tools) == (conv.token_ids, conv.loss_mask)
+
+
+def test_demo_needs_an_assistant_turn(tokenizer) -> None:
+    with pytest.raises(ValueError, match="assistant"):
+        ChatEncoder(tokenizer).encode_demo(DEMOS[0][0][:2], TOOLS)
+
+
+def test_sync_rejects_env_messages_before_the_assistant_turn(tokenizer) -> None:
+    encoder = ChatEncoder(tokenizer)
+    conv = Conversation(messages=DEMOS[0][0][:2], tools=TOOLS)
+    encoder.sync(conv)
+    encoder.append_sampled(conv, [encoder.end_of_turn_id], [0.0], ended=True)
+    conv.messages.append({"role": "tool", "content": "x"})
+    with pytest.raises(LedgerError, match="assistant"):
+        encoder.sync(conv)
+
+
+def test_length_buckets_group_similar_lengths() -> None:
+    examples = [([0] * n, [1] * n) for n in (9, 2, 7, 3, 8, 1)]
+    assert [[len(ids) for ids, _ in b] for b in length_buckets(examples, 2)] == [
+        [1, 2],
+        [3, 7],
+        [8, 9],
+    ]
+
+
+def test_loss_decreases(trained: tuple[Path, dict]) -> None:
+    _, stats = trained
+    assert stats["steps"] == 40 * 2
+    assert stats["final_loss"] < 0.3 * stats["first_loss"]
+    assert 0 < stats["loss_tokens"] < stats["tokens"]
+
+
+def test_output_loads_and_imitates_the_demos(trained: tuple[Path, dict]) -> None:
+    out, _ = trained
+    assert AutoModelForCausalLM.from_pretrained(out).config.model_type == "qwen2"
+    policy = HFPolicy.from_pretrained(out, temperature=0.0, max_new_tokens=48)
+    messages, tools = DEMOS[2]
+    (turn,) = policy.act([Conversation(messages=messages[:2], tools=tools)])
+    # Copying the customer id is beyond a few steps of SFT; the call's shape and the stop are not.
+    assert not turn.truncated and turn.token_ids[-1] == policy.encoder.end_of_turn_id
+    assert turn.text.startswith('<tool_call>\n{"name": "get_total", "arguments": {"customer_id": ')
+    assert turn.text.endswith("}}\n</tool_call>")
+
+
+def test_deterministic_and_time_budget(tiny_dir: Path, tmp_path: Path) -> None:
+    runs = [
+        sft(tiny_dir, DEMOS[:4], tmp_path / str(i), epochs=3, batch_size=2, progress=False)
+        for i in range(2)
+    ]
+    assert runs[0]["final_loss"] == runs[1]["final_loss"] and runs[0]["steps"] == 6
+    short = sft(
+        tiny_dir,
+        DEMOS[:4],
+        tmp_path / "short",
+        epochs=50,
+        batch_size=2,
+        time_budget_s=0.0,
+        progress=False,
+    )
+    assert short["steps"] == 1

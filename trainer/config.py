@@ -1,0 +1,131 @@
+"""The training configuration: one typed, validated, frozen dataclass."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from trainer.losses import ADVANTAGE_SCALES, LOSS_TYPES, AdvantageScale, LossType, check_loss_type
+
+ZeroStd = Literal["keep", "drop", "resample"]
+CRITIQUE_STYLES = ("none", "indicative", "ground_truth", "step")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """GRPO / Critique-GRPO on one env. Every field is fixed once parsed."""
+
+    env_id: str = "cgym/ApiReport-v0"
+    """The env to train on (its train split)."""
+    env_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra env kwargs (difficulty, faults, ...); `split` is always "train"."""
+    model: str = ""
+    """Local directory or hub name of the starting model (an `hf:` prefix is accepted)."""
+    out: str = "runs/grpo"
+    """Output directory: metrics.jsonl, curve.png, checkpoints/, final/."""
+    steps: int = 20
+    """Optimizer steps (each: one rollout of tasks_per_step x group_size episodes)."""
+    group_size: int = 8
+    """Trajectories per task (n in GRPO)."""
+    tasks_per_step: int = 4
+    """Tasks per step."""
+    learning_rate: float = 2e-4
+    """AdamW learning rate (constant after warm-up)."""
+    warmup_steps: int = 0
+    """Linear warm-up steps."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping."""
+    loss_type: LossType = "dapo"
+    """Loss aggregation: grpo | bnpo | dapo | dr_grpo."""
+    scale: AdvantageScale = "group"
+    """Advantage normalisation: group | batch | none."""
+    epsilon_low: float = 0.2
+    """Lower clip range of the importance ratio."""
+    epsilon_high: float = 0.2
+    """Upper clip range of the importance ratio (DAPO's clip-higher when larger)."""
+    beta: float = 0.0
+    """KL (k3) weight to the frozen starting model; 0 disables it and the reference model."""
+    num_iterations: int = 1
+    """Updates per rollout batch (old log-probs are the stored sampling ones)."""
+    micro_batch_size: int = 8
+    """Trajectories per forward/backward; the loss does not depend on it."""
+    zero_std: ZeroStd = "keep"
+    """Groups whose rewards are all equal: keep, drop, or resample once."""
+    mask_truncated: bool = False
+    """Exclude trajectories with a turn cut at max_new_tokens from the loss."""
+    temperature: float = 1.0
+    """Sampling temperature (log-probs use the same temperature)."""
+    top_p: float = 1.0
+    """Nucleus sampling."""
+    max_new_tokens: int = 96
+    """Tokens per assistant turn."""
+    critique: str = "none"
+    """Critique-GRPO: none | indicative | ground_truth | step | model:<policy-spec>."""
+    refine_k: int = 2
+    """Refinements kept per triggered group (correct ones first)."""
+    refine_fail_fraction: float = 1.0
+    """Trigger refinement when at least this share of a group failed (1.0 = all failed)."""
+    gamma: float = 0.1
+    """Policy-shaping constant of Critique-GRPO: ratio p / (p + gamma) on refinements."""
+    shaping: bool = True
+    """Use shaped ratios on refinements (off: the plain clipped ratio, for ablations)."""
+    eval_every: int = 0
+    """Evaluate on the test split every N steps (0: only before and after)."""
+    eval_episodes: int = 50
+    """Test episodes per evaluation."""
+    eval_temperature: float = 0.0
+    """Temperature for evaluations (0 = greedy)."""
+    save_every: int = 0
+    """Checkpoint every N steps (0: only the final one)."""
+    time_budget_s: float = 0.0
+    """Stop after this many seconds of training (0: no limit)."""
+    seed: int = 0
+    """Seeds tasks, sampling and initialisation."""
+    lora_r: int = 0
+    """LoRA rank via peft (0: full fine-tuning)."""
+    progress: bool = True
+    """Show a progress bar."""
+
+    def __post_init__(self) -> None:
+        check_loss_type(self.loss_type)
+        _choice("scale", self.scale, ADVANTAGE_SCALES)
+        _choice("zero_std", self.zero_std, ("keep", "drop", "resample"))
+        if not (self.critique in CRITIQUE_STYLES or self.critique.startswith("model:")):
+            raise ValueError(f"critique={self.critique!r}: choose one of {list(CRITIQUE_STYLES)} or 'model:<policy-spec>'")
+        for name in ("steps", "group_size", "tasks_per_step", "micro_batch_size", "num_iterations", "max_new_tokens", "eval_episodes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.group_size < 2:
+            raise ValueError("group_size must be >= 2: GRPO compares trajectories within a group")
+        if not self.model:
+            raise ValueError("model is required (a local directory or hub name)")
+        if not 0 < self.refine_fail_fraction <= 1 or self.gamma <= 0 or self.refine_k < 0:
+            raise ValueError("need 0 < refine_fail_fraction <= 1, gamma > 0, refine_k >= 0")
+        if self.beta < 0 or self.learning_rate <= 0:
+            raise ValueError("need beta >= 0 and learning_rate > 0")
+
+    @property
+    def model_path(self) -> str:
+        return self.model.removeprefix("hf:")
+
+    @property
+    def train_env_kwargs(self) -> dict[str, Any]:
+        return {**self.env_kwargs, "split": "train"}
+
+    @property
+    def test_env_kwargs(self) -> dict[str, Any]:
+        return {**self.env_kwargs, "split": "test"}
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}={value!r}: choose one of {list(choices)}")
+
+
+__all__ = ["LOSS_TYPES", "TrainConfig", "ZeroStd"]

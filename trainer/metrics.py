@@ -1,0 +1,115 @@
+"""Per-step metrics: JSONL log, the reward-hacking monitor, and the learning-curve plot."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from trainer.rollout import Trajectory
+
+HACKING_THRESHOLD = 0.5
+HACKING_PATIENCE = 3
+
+
+def rollout_metrics(trajectories: Sequence[Trajectory], group_size: int) -> dict[str, Any]:
+    """Reward, success, per-check means, critique codes and group statistics of initial attempts."""
+    initial = [t for t in trajectories if not t.refined]
+    rewards = np.array([t.reward for t in initial])
+    groups = rewards.reshape(-1, group_size)
+    checks = sorted({name for t in initial if t.result for name in t.result.breakdown})
+    codes = Counter(code for t in initial if t.result for code in t.result.codes)
+    return {
+        "reward_mean": float(rewards.mean()),
+        "reward_std": float(rewards.std()),
+        "success_rate": float(np.mean([t.success for t in initial])),
+        "frac_zero_std": float(np.mean(groups.std(axis=1) == 0)),
+        "checks": {c: float(np.mean([t.result.breakdown.get(c, 0.0) for t in initial if t.result])) for c in checks},
+        "critique_codes": dict(codes.most_common()),
+        "truncated_rate": float(np.mean([t.truncated for t in initial])),
+        "hacking/top_quartile_failed": top_quartile_failed(initial),
+    }
+
+
+def top_quartile_failed(trajectories: Sequence[Trajectory]) -> float:
+    """Share of top-quartile-reward trajectories that did not succeed (high score, wrong answer)."""
+    if not trajectories:
+        return 0.0
+    rewards = np.array([t.reward for t in trajectories])
+    cut = np.quantile(rewards, 0.75)
+    top = [t for t in trajectories if t.reward >= cut]
+    return float(np.mean([not t.success for t in top]))
+
+
+class HackingMonitor:
+    """Warns loudly when high-reward, unsuccessful trajectories persist: fix the reward first."""
+
+    def __init__(self, threshold: float = HACKING_THRESHOLD, patience: int = HACKING_PATIENCE) -> None:
+        self.threshold = threshold
+        self.patience = patience
+        self.streak = 0
+
+    def update(self, share: float, has_success: bool) -> str | None:
+        """Returns the warning text when it fires (after `patience` steps in a row)."""
+        self.streak = self.streak + 1 if share > self.threshold and has_success else 0
+        if self.streak < self.patience:
+            return None
+        message = (
+            f"reward hacking? for {self.streak} steps, {share:.0%} of top-quartile-reward trajectories did not succeed: "
+            "check that high-scoring answers meet the goal and fix the rubric before training longer"
+        )
+        warnings.warn(message, stacklevel=2)
+        return message
+
+
+class MetricsLog:
+    """Appends one JSON object per step to OUT/metrics.jsonl (resumed runs append)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, row: dict[str, Any]) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps(row, default=float) + "\n")
+
+    def rows(self) -> list[dict[str, Any]]:
+        if not self.path.exists():
+            return []
+        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+
+
+def plot_curve(rows: Sequence[dict[str, Any]], path: Path, *, title: str = "training") -> Path:
+    """Train reward/success per step, and test success at each evaluation, as one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in rows if "reward_mean" in r]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
+    left.plot(steps, [r["reward_mean"] for r in rows if "reward_mean" in r], label="train reward (mean)")
+    left.set_xlabel("step")
+    left.set_ylabel("reward")
+    left.grid(alpha=0.3)
+    left.legend(loc="lower right")
+    right.plot(steps, [r["success_rate"] for r in rows if "reward_mean" in r], label="train success", alpha=0.6)
+    evals = [r for r in rows if "eval/success_rate" in r]
+    if evals:
+        right.plot([r["step"] for r in evals], [r["eval/success_rate"] for r in evals], "o-", label="test success")
+    right.set_ylim(-0.02, 1.02)
+    right.set_xlabel("step")
+    right.set_ylabel("success rate")
+    right.grid(alpha=0.3)
+    right.legend(loc="lower right")
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

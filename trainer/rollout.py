@@ -1,0 +1,87 @@
+"""Rollouts as token-exact trajectories, and their packing into padded tensors."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from agents.episodes import EpisodeResult
+
+
+@dataclass
+class Trajectory:
+    """One episode as the trainer sees it: ids, which were sampled, their sampling log-probs.
+
+    `refined` marks Critique-GRPO refinements (trained with the shaped ratio); `group` is the
+    index of the task the trajectory belongs to in this step.
+    """
+
+    ids: list[int]
+    mask: list[int]
+    logprobs: list[float]
+    reward: float
+    success: bool
+    group: int
+    truncated: bool
+    refined: bool = False
+    result: EpisodeResult | None = None
+
+    @classmethod
+    def from_result(cls, result: EpisodeResult, group: int, *, refined: bool = False) -> Trajectory:
+        conv = result.conversation
+        assert len(conv.token_ids) == len(conv.loss_mask) == len(conv.logprobs), "ledger out of sync"
+        cut = any(turn.truncated for turn in result.turns)
+        return cls(list(conv.token_ids), list(conv.loss_mask), list(conv.logprobs), result.reward, result.success, group, cut, refined, result)
+
+    @property
+    def sampled_tokens(self) -> int:
+        return sum(self.mask)
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Right-padded tensors for a list of trajectories; targets are shifted by one.
+
+    ids/attention: (B, T); mask/old_logp: (B, T-1) aligned with `sequence_logprobs` output.
+    """
+
+    ids: Tensor
+    attention: Tensor
+    mask: Tensor
+    old_logp: Tensor
+    advantages: Tensor
+    shaped: Tensor
+
+
+def pack(trajectories: Sequence[Trajectory], advantages: Tensor, *, pad_id: int) -> Batch:
+    """Pad trajectories into one batch (CPU tensors)."""
+    width = max(len(t.ids) for t in trajectories)
+    B = len(trajectories)
+    ids = torch.full((B, width), pad_id, dtype=torch.long)
+    attention = torch.zeros((B, width), dtype=torch.long)
+    mask = torch.zeros((B, width), dtype=torch.float32)
+    logp = torch.zeros((B, width), dtype=torch.float32)
+    for row, t in enumerate(trajectories):
+        n = len(t.ids)
+        ids[row, :n] = torch.tensor(t.ids)
+        attention[row, :n] = 1
+        mask[row, :n] = torch.tensor(t.mask, dtype=torch.float32)
+        logp[row, :n] = torch.tensor(t.logprobs, dtype=torch.float32)
+    shaped = torch.tensor([t.refined for t in trajectories], dtype=torch.bool)
+    return Batch(ids, attention, mask[:, 1:], logp[:, 1:], advantages, shaped)
+
+
+def slice_batch(batch: Batch, rows: slice) -> Batch:
+    """A micro-batch, trimmed to its own longest row."""
+    width = int(batch.attention[rows].sum(-1).max())
+    return Batch(
+        batch.ids[rows, :width],
+        batch.attention[rows, :width],
+        batch.mask[rows, : width - 1],
+        batch.old_logp[rows, : width - 1],
+        batch.advantages[rows],
+        batch.shaped[rows],
+    )
