@@ -15,8 +15,10 @@ SPEC_FORMS = (
     "hf:<hub-name-or-local-dir> (e.g. hf:runs/tiny)",
     "openai:<model>@<base_url> (e.g. openai:Qwen/Qwen2.5-0.5B-Instruct@http://127.0.0.1:8000/v1)",
     "vllm:<hub-name-or-local-dir>",
+    "guarded:<spec> (runtime validation + retries around any policy)",
+    "prompted:<spec> (the prompt-only baseline: the article's rules in the system prompt)",
 )
-KINDS = ("scripted", "hf", "openai", "vllm")
+KINDS = ("scripted", "hf", "openai", "vllm", "guarded", "prompted")
 
 
 class PolicySpecError(CgymError, ValueError):
@@ -46,6 +48,14 @@ def load_policy(spec: str, options: SamplingOptions | None = None) -> Policy:
     """Build the policy a spec names."""
     kind, rest = parse_spec(spec)
     opts = options or SamplingOptions()
+    if kind == "guarded":
+        from agents.guard import GuardedPolicy
+
+        return GuardedPolicy(load_policy(rest, opts))
+    if kind == "prompted":
+        from agents.prompting import PromptedPolicy
+
+        return PromptedPolicy(load_policy(rest, opts))
     if kind == "scripted":
         from agents.scripted import ScriptedPolicy
 
@@ -57,8 +67,7 @@ def load_policy(spec: str, options: SamplingOptions | None = None) -> Policy:
     if kind == "openai":
         from agents.openai_server import OpenAIPolicy
 
-        policy = OpenAIPolicy.from_spec(rest)
-        return policy
+        return OpenAIPolicy.from_spec(rest, temperature=opts.temperature, top_p=opts.top_p, max_tokens=opts.max_new_tokens, seed=opts.seed)
     from agents.vllm_policy import VLLMPolicy
 
     return VLLMPolicy.from_spec(rest)

@@ -167,6 +167,44 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_compare(args: argparse.Namespace) -> int:
+    from agents.evaluate import EvalConfig
+    from agents.spec import load_policy
+    from trainer.compare import compare
+    from trainer.report import html_report, markdown_report, plot_comparison
+
+    specs = ([args.before] if args.before else []) + list(args.policy or []) + ([args.after] if args.after else [])
+    if len(specs) < 2:
+        console.print("[red]error:[/red] give --before and --after, or --policy at least twice")
+        return 2
+    kwargs = {"split": "test", **args.env_kwargs}
+    config = EvalConfig(args.env, kwargs, episodes=args.episodes, seed=args.seed, batch_size=args.batch_size)
+    arms = [(spec, load_policy(spec, _sampling(args))) for spec in specs]
+    result = compare(arms, config, on_arm=lambda label: console.print(f"evaluating [bold]{label}[/bold] ..."))
+    table = Table("policy", "success", "mean reward", "top critique codes", title=f"{args.env} {kwargs}")
+    for label in result["labels"]:
+        arm = result["arms"][label]
+        table.add_row(label, f"{arm['success_rate']:.1%}", f"{arm['mean_reward']:+.2f}", ", ".join(list(arm["critique_codes"])[:3]))
+    console.print(table)
+    _write_json(args.json, result)
+    images = [plot_comparison(result, args.plot)] if args.plot else []
+    if args.plot:
+        console.print(f"wrote [bold]{args.plot}[/bold]")
+    if args.html:
+        args.html.parent.mkdir(parents=True, exist_ok=True)
+        args.html.write_text(html_report(result, images, title=f"{result['labels'][0]} vs {result['labels'][-1]}"))
+        args.html.with_suffix(".md").write_text(markdown_report(result))
+        console.print(f"wrote [bold]{args.html}[/bold]")
+    return 0
+
+
+def cmd_quickstart(args: argparse.Namespace) -> int:
+    from trainer.quickstart import QuickstartPlan, run
+
+    run(args.out, QuickstartPlan(seed=args.seed), console=console)
+    return 0
+
+
 # -- parser ---------------------------------------------------------------------------------
 def _add_sampling(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (model policies)")
@@ -261,6 +299,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoints/ (latest)")
     _add_sampling(p)
     p.set_defaults(func=cmd_train, max_new_tokens=96)
+
+    p = sub.add_parser("compare", help="compare policies on the same episodes (table, JSON, plot, HTML)")
+    p.add_argument("--env", required=True)
+    p.add_argument("--env-kwargs", type=_json_arg, default={})
+    p.add_argument("--before", help="first policy (e.g. the prompt-only baseline)")
+    p.add_argument("--after", help="last policy (e.g. the trained model)")
+    p.add_argument("--policy", action="append", help="more arms, in order (repeatable)")
+    p.add_argument("--episodes", type=int, default=100)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--json", type=Path)
+    p.add_argument("--plot", type=Path, help="PNG: success and check pass rates, critique codes")
+    p.add_argument("--html", type=Path, help="self-contained report.html (and a .md next to it)")
+    _add_sampling(p)
+    p.set_defaults(func=cmd_compare)
+
+    p = sub.add_parser("quickstart", help="the whole story on CPU: tiny model, SFT, GRPO, compare, report")
+    p.add_argument("--out", type=Path, default=Path("quickstart"))
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_quickstart)
 
     p = sub.add_parser("bench", help="benchmarks: env overhead per step, trainer vs TRL")
     p.add_argument("what", choices=["env", "trainer"])
