@@ -7,8 +7,9 @@ so that a trainer learns from exactly the tokens that were sampled, never from a
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 Message = dict[str, Any]
 

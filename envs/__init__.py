@@ -52,6 +52,7 @@ __all__ = [
     "ToolError",
     "UnknownEnvError",
     "load_plugins",
+    "render",
     "make",
     "register",
     "registered",

@@ -77,7 +77,7 @@ def render_step(episode: Episode, critiques: list[Critique], success: bool) -> s
             lines.append(f"  - incorrect{marker} [{critique.code}]: {critique.line()}")
         if not found:
             lines.append("  - ok")
-    for step, rest in sorted(by_step.items()):  # critiques about turns that never happened
+    for _, rest in sorted(by_step.items()):  # critiques about turns that never happened
         for critique in rest:
             lines.append(f"After the last step [{critique.code}]: {critique.line()}")
     verdict = "correct" if success else "incorrect"

@@ -75,8 +75,16 @@ def cmd_eval(args: argparse.Namespace) -> int:
     kwargs = {"split": args.split, **args.env_kwargs}
     config = EvalConfig(args.env, kwargs, episodes=args.episodes, seed=args.seed, samples=args.samples, batch_size=args.batch_size)
     policy = load_policy(args.policy, _sampling(args))
-    with episode_progress(console, len(config.seeds), f"eval {policy.name}") as advance:
-        summary, _ = evaluate(policy, config, on_done=advance)
+    if args.self_critique:
+        from agents.self_critique import evaluate_with_self_critique
+
+        report = evaluate_with_self_critique(policy, config)
+        summary = report["without"] | {"self_critique": {k: v for k, v in report.items() if k != "without"}}
+        with_ = report["with_self_critique"]
+        console.print(f"success without self-critique {summary['success_rate']:.1%}, with {with_['success_rate']:.1%} ({with_['refined_episodes']} refined)")
+    else:
+        with episode_progress(console, len(config.seeds), f"eval {policy.name}") as advance:
+            summary, _ = evaluate(policy, config, on_done=advance)
     _print_summary(summary)
     _write_json(args.json, summary)
     return 0
@@ -237,6 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--samples", type=int, default=1, help="tries per task, for pass@k")
     p.add_argument("--batch-size", type=int, default=32, help="episodes run at once")
+    p.add_argument("--self-critique", action="store_true", help="the policy critiques its own answer and refines once; report both")
     p.add_argument("--json", type=Path)
     _add_sampling(p)
     p.set_defaults(func=cmd_eval)

@@ -83,8 +83,8 @@ def setup(config: TrainConfig, *, make_env: EnvFactory | None = None, resume: bo
 def _critic(config: TrainConfig) -> Any:
     if not config.critique.startswith("model:"):
         return None
+    from agents.critics import ModelCritic
     from agents.spec import load_policy
-    from trainer.critic import ModelCritic
 
     return ModelCritic(load_policy(config.critique.removeprefix("model:")))
 

@@ -12,30 +12,15 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from agents.base import Conversation
-from agents.episodes import EpisodeResult
-from trainer.critic import transcript
+from agents.critics import refinement_conversation
 from trainer.rollout import Trajectory
 
-REFINE_INSTRUCTION = (
-    "Your previous attempt at this task is below, followed by a critique of it. Fix the errors the "
-    "critique points out (do not just restyle the answer) and solve the task again from the start, "
-    "calling the tools you need."
-)
-
+__all__ = ["rebase", "refinement_conversation", "select_refinements", "should_refine"]
 
 def should_refine(group: Sequence[Trajectory], fail_fraction: float) -> bool:
     """Refine a group when at least `fail_fraction` of its attempts failed (1.0: all failed)."""
     failed = sum(not t.success for t in group)
     return failed > 0 and failed / len(group) >= fail_fraction
-
-
-def refinement_conversation(opening: Conversation, failed: EpisodeResult, critique: str) -> Conversation:
-    """The env's opening conversation with the task prompt extended by attempt + critique."""
-    system, task = opening.messages[0], opening.messages[1]
-    content = f"{task['content']}\n\n{REFINE_INSTRUCTION}\n\nPrevious attempt:\n{transcript(failed)}\n\nCritique:\n{critique}"
-    messages = [system, {"role": "user", "content": content}, *opening.messages[2:]]
-    return Conversation(messages, opening.tools, env_seen=opening.env_seen)
 
 
 def rebase(refined: Trajectory, prompt_ids: Sequence[int]) -> Trajectory:

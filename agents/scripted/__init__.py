@@ -7,12 +7,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable
 
 from agents.base import Conversation, Turn
-from agents.scripted.api_report import API_AGENTS, FLAW_CODES as API_FLAW_CODES, AgentFn
+from agents.scripted.api_report import API_AGENTS, AgentFn
+from agents.scripted.api_report import FLAW_CODES as API_FLAW_CODES
 from envs.errors import InvalidChoiceError, did_you_mean
 
 
@@ -30,7 +30,8 @@ class Family:
 FAMILIES: list[Family] = [Family("api_report", "search_customers", API_AGENTS, API_FLAW_CODES, ("wrong_field", "malformed_json", "skip_pagination", "no_retry"))]
 
 try:  # the SQL family registers itself when present
-    from agents.scripted.sql import FLAW_CODES as SQL_FLAW_CODES, SQL_AGENTS
+    from agents.scripted.sql import FLAW_CODES as SQL_FLAW_CODES
+    from agents.scripted.sql import SQL_AGENTS
 
     FAMILIES.append(Family("sql", "run_query", SQL_AGENTS, SQL_FLAW_CODES, ("wrong_column", "wrong_aggregate", "forgets_order_by", "syntax_error")))
 except ImportError:  # pragma: no cover - during development only

@@ -11,8 +11,9 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from envs.api_report.tasks import COUNTED_STATUSES
 from envs.toolcall import ToolCall, parse_turn

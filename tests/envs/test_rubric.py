@@ -1,9 +1,8 @@
 from __future__ import annotations
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-
-import pytest
 
 from envs.critique import Critique
 from envs.episode import Episode

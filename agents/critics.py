@@ -1,6 +1,8 @@
-"""Critiques from a model: prompt a critic to walk the steps, parse its verdict robustly.
+"""Critiques from a model and refinement prompts, shared by training and inference.
 
-A critique whose verdict cannot be read counts as no critique: it is never turned into a reward.
+A critic is prompted to walk the steps and end with a verdict; a critique whose verdict cannot
+be read counts as no critique (it is never turned into a reward). A refinement prompt gives the
+policy its previous attempt and a critique and asks it to fix the errors, not restyle.
 """
 
 from __future__ import annotations
@@ -15,6 +17,11 @@ from agents.episodes import EpisodeResult
 Verdict = Literal["correct", "incorrect"]
 _VERDICT = re.compile(r"(?:conclusion\W*)?\b(incorrect|correct)\b\W*\[\s*end\s*\]", re.IGNORECASE)
 
+REFINE_INSTRUCTION = (
+    "Your previous attempt at this task is below, followed by a critique of it. Fix the errors the "
+    "critique points out (do not just restyle the answer) and solve the task again from the start, "
+    "calling the tools you need."
+)
 CRITIC_INSTRUCTION = (
     "Check the attempt below step by step. For each step, say whether it is right; name the first "
     "wrong step, what was expected and why. End with exactly 'Conclusion: correct [END]' or "
@@ -54,3 +61,11 @@ class ModelCritic:
         task = result.conversation.messages[1]["content"]
         content = f"Task:\n{task}\n\nAttempt:\n{transcript(result)}\n\n{CRITIC_INSTRUCTION}"
         return Conversation([{"role": "system", "content": "You are a careful reviewer."}, {"role": "user", "content": content}])
+
+
+def refinement_conversation(opening: Conversation, failed: EpisodeResult, critique: str) -> Conversation:
+    """The env's opening conversation with the task prompt extended by attempt + critique."""
+    system, task = opening.messages[0], opening.messages[1]
+    content = f"{task['content']}\n\n{REFINE_INSTRUCTION}\n\nPrevious attempt:\n{transcript(failed)}\n\nCritique:\n{critique}"
+    messages = [system, {"role": "user", "content": content}, *opening.messages[2:]]
+    return Conversation(messages, opening.tools, env_seen=opening.env_seen)

@@ -1,0 +1,131 @@
+"""GRPO vs Critique-GRPO from the same warm-started model, same wall-clock budget, several seeds.
+
+Usage:
+    python -m benchmarks.critique_vs_grpo --model quickstart/sft --difficulty hard \\
+        --budget 180 --seeds 0 1 2 --json runs/critique_vs_grpo.json --plot runs/critique_vs_grpo.png
+    (--ablations adds indicative / ground-truth critiques and step critiques without shaping)
+
+Each run trains for `--budget` seconds of training time and evaluates on the test split at
+regular steps; the plot shows test success against training time, the table mean and spread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ARMS = {"grpo": {"critique": "none"}, "critique_grpo_step": {"critique": "step"}}
+ABLATIONS = {
+    "critique_grpo_indicative": {"critique": "indicative"},
+    "critique_grpo_ground_truth": {"critique": "ground_truth"},
+    "critique_grpo_step_no_shaping": {"critique": "step", "shaping": False},
+}
+
+
+@dataclass(frozen=True)
+class Setting:
+    model: str
+    difficulty: str
+    budget_s: float
+    eval_every: int
+    eval_episodes: int
+    group_size: int
+    tasks_per_step: int
+    out: Path
+
+
+def run_arm(name: str, overrides: dict[str, Any], seed: int, setting: Setting) -> dict[str, Any]:
+    from trainer.config import TrainConfig
+    from trainer.grpo import train
+
+    out = setting.out / f"{name}-seed{seed}"
+    config = TrainConfig(
+        env_id="cgym/ApiReport-v0", env_kwargs={"difficulty": setting.difficulty}, model=setting.model, out=str(out),
+        steps=10_000, time_budget_s=setting.budget_s, eval_every=setting.eval_every, eval_episodes=setting.eval_episodes,
+        group_size=setting.group_size, tasks_per_step=setting.tasks_per_step, seed=seed, progress=False, **overrides,
+    )  # fmt: skip
+    result = train(config)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    elapsed, curve = 0.0, []
+    for row in rows:
+        elapsed += row.get("step_time_s", 0.0)
+        if "eval/success_rate" in row:
+            curve.append((round(elapsed, 1), row["eval/success_rate"]))
+    refine = [r for r in rows if "refine/trigger_rate" in r]
+    return {
+        "arm": name,
+        "seed": seed,
+        "before": result["before"]["success_rate"],
+        "after": result["after"]["success_rate"],
+        "steps": result["steps"],
+        "curve": curve,
+        "refine_trigger_rate": statistics.mean(r["refine/trigger_rate"] for r in refine) if refine else None,
+        "refine_success_rate": statistics.mean(r["refine/success_rate"] for r in refine if r["refine/attempts"]) if any(r["refine/attempts"] for r in refine) else None,
+    }
+
+
+def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    table: dict[str, Any] = {}
+    for arm in dict.fromkeys(r["arm"] for r in runs):
+        finals = [r["after"] for r in runs if r["arm"] == arm]
+        table[arm] = {"final_mean": statistics.mean(finals), "final_std": statistics.pstdev(finals), "finals": finals}
+    return table
+
+
+def plot(runs: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    colors = {}
+    for run in runs:
+        color = colors.setdefault(run["arm"], f"C{len(colors)}")
+        xs, ys = zip(*run["curve"]) if run["curve"] else ((), ())
+        ax.plot(xs, ys, "o-", color=color, alpha=0.7, label=run["arm"] if run["seed"] == runs[0]["seed"] else None)
+    ax.set_xlabel("training time (s)")
+    ax.set_ylabel("test success rate")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, help="the warm-started (SFT) model directory")
+    parser.add_argument("--difficulty", default="hard")
+    parser.add_argument("--budget", type=float, default=180.0, help="training seconds per run")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--eval-every", type=int, default=5)
+    parser.add_argument("--eval-episodes", type=int, default=50)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--tasks-per-step", type=int, default=4)
+    parser.add_argument("--ablations", action="store_true", help="also run the ablation arms (first seed only)")
+    parser.add_argument("--out", type=Path, default=Path("runs/critique_vs_grpo"))
+    parser.add_argument("--json", type=Path, default=Path("runs/critique_vs_grpo.json"))
+    parser.add_argument("--plot", type=Path, default=Path("runs/critique_vs_grpo.png"))
+    args = parser.parse_args(argv)
+    import envs  # noqa: F401
+
+    setting = Setting(args.model, args.difficulty, args.budget, args.eval_every, args.eval_episodes, args.group_size, args.tasks_per_step, args.out)
+    runs = [run_arm(name, overrides, seed, setting) for seed in args.seeds for name, overrides in ARMS.items()]
+    if args.ablations:
+        runs += [run_arm(name, overrides, args.seeds[0], setting) for name, overrides in ABLATIONS.items()]
+    result = {"setting": {k: str(v) for k, v in vars(setting).items()}, "table": summarize(runs), "runs": runs}
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=2))
+    plot(runs, args.plot)
+    print(json.dumps(result["table"], indent=2))
+
+
+if __name__ == "__main__":
+    main()
