@@ -162,7 +162,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         loss_type=args.loss_type, scale=args.scale, epsilon_low=args.epsilon_low, epsilon_high=args.epsilon_high,
         beta=args.beta, num_iterations=args.num_iterations, micro_batch_size=args.micro_batch_size,
         zero_std=args.zero_std, mask_truncated=args.mask_truncated, temperature=args.temperature, top_p=args.top_p,
-        max_new_tokens=args.max_new_tokens, critique=args.critique, refine_k=args.refine_k,
+        max_new_tokens=args.max_new_tokens, critique=args.critique, refine_k=args.refine_k, refine_attempts=args.refine_attempts,
         refine_fail_fraction=args.refine_fail_fraction, gamma=args.gamma, shaping=not args.no_shaping,
         eval_every=args.eval_every, eval_episodes=args.eval_episodes, save_every=args.save_every,
         time_budget_s=args.time_budget, seed=args.seed, lora_r=args.lora_r,
@@ -295,7 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--zero-std", default="keep", choices=["keep", "drop", "resample"])
     p.add_argument("--mask-truncated", action="store_true")
     p.add_argument("--critique", default="none", help="none | indicative | ground_truth | step | model:<policy-spec>")
-    p.add_argument("--refine-k", type=int, default=2)
+    p.add_argument("--refine-k", type=int, default=2, help="refinements kept per triggered group")
+    p.add_argument("--refine-attempts", type=int, default=4, help="failed attempts refined per triggered group")
     p.add_argument("--refine-fail-fraction", type=float, default=1.0)
     p.add_argument("--gamma", type=float, default=0.1)
     p.add_argument("--no-shaping", action="store_true", help="train refinements with the plain clipped ratio")

@@ -66,6 +66,8 @@ class TrainConfig:
     """Critique-GRPO: none | indicative | ground_truth | step | model:<policy-spec>."""
     refine_k: int = 2
     """Refinements kept per triggered group (correct ones first)."""
+    refine_attempts: int = 4
+    """Failed attempts per triggered group that get a critique and a refinement rollout."""
     refine_fail_fraction: float = 1.0
     """Trigger refinement when at least this share of a group failed (1.0 = all failed)."""
     gamma: float = 0.1
@@ -95,7 +97,7 @@ class TrainConfig:
         _choice("zero_std", self.zero_std, ("keep", "drop", "resample"))
         if not (self.critique in CRITIQUE_STYLES or self.critique.startswith("model:")):
             raise ValueError(f"critique={self.critique!r}: choose one of {list(CRITIQUE_STYLES)} or 'model:<policy-spec>'")
-        for name in ("steps", "group_size", "tasks_per_step", "micro_batch_size", "num_iterations", "max_new_tokens", "eval_episodes"):
+        for name in ("steps", "group_size", "tasks_per_step", "micro_batch_size", "num_iterations", "max_new_tokens", "eval_episodes", "refine_attempts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.group_size < 2:

@@ -29,7 +29,7 @@ from trainer.checkpoint import latest_checkpoint, load_state, save_checkpoint
 from trainer.config import TrainConfig
 from trainer.losses import policy_loss, token_normalizer, unified_advantages
 from trainer.metrics import HackingMonitor, MetricsLog, plot_curve, rollout_metrics
-from trainer.refine import rebase, refinement_conversation, select_refinements, should_refine
+from trainer.refine import rebase, refinement_conversation, sample_subset, select_refinements, should_refine
 from trainer.rollout import Trajectory, pack, slice_batch
 
 EnvFactory = Callable[[str], gym.Env]  # split -> env
@@ -166,7 +166,7 @@ def _refine(state: TrainState, trajectories: list[Trajectory], rng: np.random.Ge
     cfg = state.config
     by_group = [trajectories[i : i + cfg.group_size] for i in range(0, len(trajectories), cfg.group_size)]
     triggered = [grp for grp in by_group if should_refine(grp, cfg.refine_fail_fraction)]
-    failed = [t for grp in triggered for t in grp if not t.success]
+    failed = [t for grp in triggered for t in sample_subset([t for t in grp if not t.success], cfg.refine_attempts, rng)]
     critiques = _critiques(state, failed)
     todo = [(t, c) for t, c in zip(failed, critiques) if c]
     kept: list[Trajectory] = []

@@ -15,7 +15,7 @@ import numpy as np
 from agents.critics import refinement_conversation
 from trainer.rollout import Trajectory
 
-__all__ = ["rebase", "refinement_conversation", "select_refinements", "should_refine"]
+__all__ = ["rebase", "refinement_conversation", "sample_subset", "select_refinements", "should_refine"]
 
 def should_refine(group: Sequence[Trajectory], fail_fraction: float) -> bool:
     """Refine a group when at least `fail_fraction` of its attempts failed (1.0: all failed)."""
@@ -49,11 +49,12 @@ def select_refinements(candidates: Sequence[Trajectory], k: int, rng: np.random.
     """Up to k refinements: correct ones first (sampled if more than k), then sampled others."""
     correct = [t for t in candidates if t.success]
     wrong = [t for t in candidates if not t.success]
-    chosen = _sample(correct, k, rng)
-    return chosen + _sample(wrong, k - len(chosen), rng)
+    chosen = sample_subset(correct, k, rng)
+    return chosen + sample_subset(wrong, k - len(chosen), rng)
 
 
-def _sample(items: list[Trajectory], k: int, rng: np.random.Generator) -> list[Trajectory]:
+def sample_subset(items: list[Trajectory], k: int, rng: np.random.Generator) -> list[Trajectory]:
+    """Up to k items, drawn without replacement, in their original order."""
     if k <= 0 or not items:
         return []
     if len(items) <= k:
