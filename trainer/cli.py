@@ -344,9 +344,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from transformers.utils import logging as hf_logging
+    if args.command not in ("envs", "audit") and not (args.command == "bench" and args.what == "env"):
+        from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()
+        hf_logging.disable_progress_bar()  # "Loading weights" bars drown the transcripts
     if not hasattr(args, "seed"):
         args.seed = 0
     from envs.errors import CgymError

@@ -14,6 +14,7 @@ from agents.audit import audit
 from agents.episodes import EpisodeResult, run_episodes
 from agents.scripted import ScriptedPolicy
 from envs.api_report.checks import extract_report
+from envs.toolcall import parse_turn
 
 ENV = "cgym/ApiReport-v0"
 
@@ -164,7 +165,9 @@ class TestFuzz:
         for action in actions:
             obs, reward, terminated, truncated, info = env.step(action)
             assert env.observation_space.contains(obs)
-            malformed = "<tool_call>" in action and not any(m["role"] == "tool" and not m["content"].startswith("Error") for m in info["messages"][-1:])
+            parsed = parse_turn(action)
+            tool_names = {t["function"]["name"] for t in info["tools"]}
+            malformed = bool(parsed.errors) or any(c.name not in tool_names for c in parsed.calls)
             if malformed:
                 assert info["critique"] is not None, action
             if terminated or truncated:

@@ -1,0 +1,32 @@
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.trainer_vs_trl import BenchConfig, run
+
+pytest.importorskip("trl")
+pytest.importorskip("datasets")
+
+TINY = {"vocab_size": 600, "hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2}
+
+
+@pytest.mark.slow
+def test_tiny_run_reports_both_medians_and_ratio() -> None:
+    result = run(vs="trl", steps=2, sizes=TINY, demo_episodes=20, group_size=2, tasks_per_step=2, max_new_tokens=8)
+    for key in ("ours_step_s", "trl_step_s", "ratio", "ours_tokens_per_step", "trl_tokens_per_step"):
+        assert result[key] > 0, key
+    assert result["ratio"] == pytest.approx(result["ours_step_s"] / result["trl_step_s"], rel=1e-2)
+    assert len(result["ours_steps_s"]) == len(result["trl_steps_s"]) == 2
+    assert result["same_tasks"] and result["same_prompt_ids"]
+    assert max(result["ours_tokens_per_step"], result["trl_tokens_per_step"]) <= 2 * 2 * 8
+
+
+@pytest.mark.parametrize("kw", [{"vs": "vllm"}, {"steps": 0}], ids=["unknown-baseline", "no-steps"])
+def test_bad_arguments_raise(kw: dict) -> None:
+    with pytest.raises(ValueError):
+        run(**kw)
+
+
+def test_config_rejects_unknown_loss_type() -> None:
+    with pytest.raises(ValueError, match="did you mean|Did you mean"):
+        BenchConfig(loss_type="dapoo")
