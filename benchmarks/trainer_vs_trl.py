@@ -1,0 +1,318 @@
+"""Time per GRPO step: our trainer vs TRL's `GRPOTrainer`, same model, task and batch, one process.
+
+Usage: python -m benchmarks.trainer_vs_trl --steps 5 --json out.json (also `cgym bench trainer
+--vs trl`). Needs the optional `bench` extra (`pip install 'critique-gym[bench]'`: trl, datasets).
+
+Both sides train a copy of the same tiny model (built here, or `--model DIR`) on single-turn
+`cgym/SqlQuery-v0` (easy, `max_turns=1`): the same tasks in the same order, the same prompt ids,
+the env's reward, the same group size, tasks per step, max new tokens (both stop at `<|im_end|>`),
+loss type, learning rate, AdamW, one forward/backward over the whole batch, beta 0, fp32, CPU.
+They alternate in one process: TRL step k, then our step k (run from a TRL callback), so machine
+noise hits both. What is timed, per optimizer step:
+- ours: `trainer.grpo.train_step` (rollout with generation and env rewards, advantages,
+  forward/backward, clipping, optimizer step, step metrics);
+- TRL: `on_step_begin` to `on_step_end` (generation, reward function, advantages,
+  forward/backward, clipping, optimizer and scheduler step); its dataloader fetch before and
+  logging after are outside the window (logging is off).
+The first step of each side is a warm-up and not counted; medians of the rest are reported.
+Differences left, by design of each trainer: TRL gets the prompts as pre-rendered text (its
+chat path renders only callable tools, which it would then execute); its `generate` keeps
+finished rows in the batch; it computes token entropies in the loss pass; ours makes a fresh
+env per episode. With a random-init model nearly every completion runs to max new tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+import torch
+
+from envs.registration import make
+from trainer.losses import LossType, check_loss_type
+from trainer.pipeline import TINY_SIZES
+
+ENV_ID = "cgym/SqlQuery-v0"
+ENV_KWARGS: dict[str, Any] = {"difficulty": "easy", "max_turns": 1}
+WARMUP_STEPS = 1
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What both trainers share. Every field is fixed once parsed."""
+
+    group_size: int = 8
+    """Completions per prompt (GRPO's n; TRL's num_generations)."""
+    tasks_per_step: int = 2
+    """Prompts per optimizer step."""
+    max_new_tokens: int = 64
+    """Tokens per completion (TRL's max_completion_length)."""
+    loss_type: LossType = "dapo"
+    """Loss aggregation, a type both trainers implement."""
+    learning_rate: float = 2e-4
+    """Constant AdamW learning rate."""
+    model: str | None = None
+    """A model directory to start from; None builds the embedded tiny model (random init)."""
+    sizes: dict[str, int] = field(default_factory=lambda: dict(TINY_SIZES))
+    """`build_tiny` sizes when the model is built here."""
+    demo_episodes: int = 200
+    """SQL demonstrations whose text trains the tiny tokenizer (plus a quarter as many API ones)."""
+    threads: int = 2
+    """torch CPU threads, for both."""
+    seed: int = 0
+    """Seeds the task draw, sampling and TRL's trainer."""
+
+    def __post_init__(self) -> None:
+        check_loss_type(self.loss_type)
+        if self.group_size < 2 or self.tasks_per_step < 1 or self.max_new_tokens < 1:
+            raise ValueError("need group_size >= 2, tasks_per_step >= 1 and max_new_tokens >= 1")
+
+    @property
+    def batch(self) -> int:
+        return self.group_size * self.tasks_per_step
+
+
+# -- shared inputs --------------------------------------------------------------------------------
+def build_model(out: Path, config: BenchConfig) -> Path:
+    """The embedded tiny model (random init), tokenizer trained on SQL and API transcripts."""
+    from agents.demos import corpus, demonstrations
+    from agents.tiny import build_tiny
+
+    demos = demonstrations(ENV_ID, {"difficulty": "easy"}, episodes=config.demo_episodes, seed=config.seed)
+    demos += demonstrations("cgym/ApiReport-v0", {"difficulty": "easy"}, episodes=max(config.demo_episodes // 4, 1), seed=config.seed)
+    return build_tiny(out, corpus(demos), seed=config.seed, **config.sizes)
+
+
+def task_seeds(config: BenchConfig, steps: int) -> list[int]:
+    """The task seeds `train_step` draws at steps 1..steps, in order (checked after the run)."""
+    seeds: list[int] = []
+    for step in range(1, steps + 1):
+        rng = np.random.default_rng([config.seed, step])
+        seeds += [int(s) for s in rng.integers(0, 2**31 - 1, config.tasks_per_step)]
+    return seeds
+
+
+def train_env(split: str = "train") -> gym.Env:
+    return make(ENV_ID, **{**ENV_KWARGS, "split": split})
+
+
+class SeedLog(gym.Wrapper):
+    """Records every reset seed, to check that both trainers saw the same tasks."""
+
+    def __init__(self, env: gym.Env, seen: list[int | None]) -> None:
+        super().__init__(env)
+        self.seen = seen
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[Any, dict[str, Any]]:
+        self.seen.append(seed)
+        return self.env.reset(seed=seed, options=options)
+
+
+def prompt_rows(seeds: list[int], tokenizer: Any) -> list[dict[str, Any]]:
+    """One dataset row per task: the chat template's text for the env's opening messages and tools.
+
+    TRL renders conversational prompts with its own `tools` (callables it then executes in a
+    tool loop), so the prompt goes in pre-rendered, exactly as our ledger renders it.
+    """
+    from agents.chat import ChatEncoder
+
+    encoder, env, rows = ChatEncoder(tokenizer), train_env(), []
+    for seed in seeds:
+        _, info = env.reset(seed=seed)
+        rows.append({"prompt": encoder.render(info["messages"], info["tools"], generation_prompt=True), "seed": seed})
+    env.close()
+    return rows
+
+
+def same_prompt_ids(rows: list[dict[str, Any]], tokenizer: Any) -> bool:
+    """Our ledger's prompt ids equal the ids TRL gets from `processing_class(text=prompts)`."""
+    from agents.chat import ChatEncoder
+
+    encoder = ChatEncoder(tokenizer)
+    texts = [r["prompt"] for r in rows]
+    return tokenizer(text=texts)["input_ids"] == [encoder.encode_text(t) for t in texts]
+
+
+def env_reward(tokens: list[int]) -> Callable[..., list[float]]:
+    """TRL reward function: replay each completion as the single turn of its row's env episode.
+
+    Appends the number of completion tokens of every call to `tokens`.
+    """
+    env = train_env()
+
+    def sql_env_reward(completions: list[str], completion_ids: list[list[int]], seed: list[int], **_: Any) -> list[float]:
+        tokens.append(sum(len(ids) for ids in completion_ids))
+        rewards = []
+        for text, s in zip(completions, seed, strict=True):
+            env.reset(seed=s)
+            rewards.append(float(env.step(text)[1]))
+        return rewards
+
+    return sql_env_reward
+
+
+# -- the two trainers -------------------------------------------------------------------------
+def our_state(config: BenchConfig, model_dir: Path, out: Path, seen: list[int | None]) -> Any:
+    from trainer.config import TrainConfig
+    from trainer.grpo import setup
+
+    train_config = TrainConfig(
+        env_id=ENV_ID, env_kwargs=ENV_KWARGS, model=str(model_dir), out=str(out),
+        group_size=config.group_size, tasks_per_step=config.tasks_per_step,
+        max_new_tokens=config.max_new_tokens, loss_type=config.loss_type,
+        learning_rate=config.learning_rate, micro_batch_size=config.batch,
+        temperature=1.0, top_p=1.0, beta=0.0, num_iterations=1, seed=config.seed, progress=False,
+    )  # fmt: skip
+    return setup(train_config, make_env=lambda split: SeedLog(train_env(split), seen))
+
+
+def trl_trainer(config: BenchConfig, model_dir: Path, out: Path, rows: list[dict[str, Any]], reward: Callable[..., list[float]], callback: Any) -> Any:
+    """TRL's GRPOTrainer with our settings; one optimizer step = tasks_per_step x group_size."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    args = GRPOConfig(
+        output_dir=str(out), max_steps=len(rows) // config.tasks_per_step,
+        per_device_train_batch_size=config.batch, gradient_accumulation_steps=1,
+        num_generations=config.group_size, max_completion_length=config.max_new_tokens,
+        loss_type=config.loss_type, beta=0.0, num_iterations=1, epsilon=0.2, scale_rewards="group",
+        learning_rate=config.learning_rate, lr_scheduler_type="constant", warmup_steps=0,
+        optim="adamw_torch", weight_decay=0.0, max_grad_norm=1.0,
+        temperature=1.0, top_p=1.0, top_k=0, shuffle_dataset=False, seed=config.seed,
+        use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
+        report_to=[], logging_strategy="no", save_strategy="no", eval_strategy="no", disable_tqdm=True,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    trainer = GRPOTrainer(
+        model=model, reward_funcs=[reward], args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer, callbacks=[callback]
+    )
+    trainer.remove_callback(PrinterCallback)  # its end-of-training summary would go to stdout
+    return trainer
+
+
+def alternate(ours: Any) -> Any:
+    """A TRL callback that times each TRL optimizer step, then runs and times one of ours."""
+    from transformers import TrainerCallback
+
+    from trainer.grpo import train_step
+
+    class Alternate(TrainerCallback):
+        def __init__(self) -> None:
+            self.trl_s: list[float] = []
+            self.ours_s: list[float] = []
+            self.ours_tokens: list[int] = []
+            self.ours_rollout_s: list[float] = []
+            self._began = 0.0
+
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            self._began = time.perf_counter()
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            self.trl_s.append(time.perf_counter() - self._began)
+            began = time.perf_counter()
+            row = train_step(ours, state.global_step)
+            self.ours_s.append(time.perf_counter() - began)
+            self.ours_tokens.append(int(row["tokens/initial"]))
+            self.ours_rollout_s.append(float(row["rollout_time_s"]))
+
+    return Alternate()
+
+
+# -- the run ----------------------------------------------------------------------------------
+def run(*, vs: str = "trl", steps: int = 5, **kw: Any) -> dict[str, Any]:
+    """Median seconds per GRPO step for ours and TRL, alternating, after one warm-up step each.
+
+    `kw` are `BenchConfig` fields. Returns at least `ours_step_s`, `trl_step_s` and `ratio`
+    (ours / TRL; below 1 means ours is faster). On a busy machine also read `paired_ratio` (median
+    of step-by-step ratios, each pair run back to back) and `min_ratio` (fastest steps).
+    """
+    if vs != "trl":
+        raise ValueError(f"vs={vs!r}: only 'trl' is supported")
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    try:
+        import trl  # noqa: F401
+    except ImportError as exc:
+        raise ImportError("the trainer benchmark needs TRL: pip install 'critique-gym[bench]'") from exc
+    config = BenchConfig(**kw)
+    torch.set_num_threads(config.threads)
+    load_start = round(os.getloadavg()[0], 2)
+    from transformers import AutoTokenizer
+
+    with tempfile.TemporaryDirectory(prefix="cgym-bench-trl-") as tmp:
+        root = Path(tmp)
+        model_dir = Path(config.model) if config.model else build_model(root / "model", config)
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        seeds = task_seeds(config, steps + WARMUP_STEPS)
+        rows = prompt_rows(seeds, tokenizer)
+        seen: list[int | None] = []
+        trl_tokens: list[int] = []
+        callback = alternate(our_state(config, model_dir, root / "ours", seen))
+        trainer = trl_trainer(config, model_dir, root / "trl", rows, env_reward(trl_tokens), callback)
+        trainer.train()
+    ours_s, trl_s = callback.ours_s[WARMUP_STEPS:], callback.trl_s[WARMUP_STEPS:]
+    ours, theirs = statistics.median(ours_s), statistics.median(trl_s)
+    return {
+        "ours_step_s": round(ours, 4),
+        "trl_step_s": round(theirs, 4),
+        "ratio": round(ours / theirs, 4),
+        "speedup": round(theirs / ours, 3),
+        "paired_ratio": round(statistics.median(o / t for o, t in zip(ours_s, trl_s)), 4),
+        "min_ratio": round(min(ours_s) / min(trl_s), 4),
+        "steps": steps,
+        "warmup_steps": WARMUP_STEPS,
+        "ours_steps_s": [round(s, 4) for s in ours_s],
+        "trl_steps_s": [round(s, 4) for s in trl_s],
+        "ours_rollout_s": round(statistics.median(callback.ours_rollout_s[WARMUP_STEPS:]), 4),
+        "ours_tokens_per_step": statistics.mean(callback.ours_tokens[WARMUP_STEPS:]),
+        "trl_tokens_per_step": statistics.mean(trl_tokens[WARMUP_STEPS:]),
+        "prompt_tokens_mean": round(statistics.mean(len(tokenizer.encode(r["prompt"], add_special_tokens=False)) for r in rows), 1),
+        "same_prompt_ids": same_prompt_ids(rows, tokenizer),
+        "same_tasks": seen == [s for s in seeds for _ in range(config.group_size)],
+        "env": ENV_ID,
+        "env_kwargs": ENV_KWARGS,
+        "config": {**asdict(config), "model": config.model or "embedded tiny (random init)"},
+        "torch_threads": torch.get_num_threads(),
+        "load_avg_1min": {"start": load_start, "end": round(os.getloadavg()[0], 2)},
+        "versions": {name: importlib.metadata.version(name) for name in ("trl", "transformers", "torch")},
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per trainer (after one warm-up)")
+    parser.add_argument("--model", help="start from this model directory instead of building the tiny one")
+    parser.add_argument("--group-size", type=int, default=BenchConfig.group_size)
+    parser.add_argument("--tasks-per-step", type=int, default=BenchConfig.tasks_per_step)
+    parser.add_argument("--max-new-tokens", type=int, default=BenchConfig.max_new_tokens)
+    parser.add_argument("--loss-type", default=BenchConfig.loss_type)
+    parser.add_argument("--threads", type=int, default=BenchConfig.threads, help="torch CPU threads for both")
+    parser.add_argument("--json", type=Path, help="write the result here")
+    args = parser.parse_args(argv)
+    import envs  # noqa: F401 - registers the built-in envs
+
+    result = run(
+        steps=args.steps, model=args.model, group_size=args.group_size, tasks_per_step=args.tasks_per_step,
+        max_new_tokens=args.max_new_tokens, loss_type=args.loss_type, threads=args.threads,
+    )  # fmt: skip
+    print(json.dumps(result, indent=2))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
