@@ -75,16 +75,21 @@ def run_episodes(
     batch_size: int = 32,
     on_done: Callable[[EpisodeResult], None] | None = None,
     conversation_for: Callable[[int, Conversation], Conversation] | None = None,
+    pool: list[gym.Env] | None = None,
 ) -> list[EpisodeResult]:
     """Play one episode per seed; results come back in the order of `seeds`.
 
     `conversation_for(i, conv)` may replace the opening conversation of the i-th episode (e.g.
     with a refinement prompt); the env still scores the episode it started from that seed.
+    `pool` reuses (and grows) a caller-owned list of envs instead of building new ones.
     """
     pending = list(seeds)
     order = {i: s for i, s in enumerate(pending)}
     queue = list(enumerate(pending))[::-1]
-    envs = [make_env() for _ in range(min(batch_size, len(pending)))]
+    needed = min(batch_size, len(pending))
+    if pool is not None:
+        pool.extend(make_env() for _ in range(needed - len(pool)))
+    envs = pool[:needed] if pool is not None else [make_env() for _ in range(needed)]
     free = list(envs)
     live: dict[int, _Slot] = {}
     results: dict[int, EpisodeResult] = {}
@@ -109,8 +114,9 @@ def run_episodes(
                 free.append(slot.env)
                 if on_done is not None:
                     on_done(result)
-    for env in envs:
-        env.close()
+    if pool is None:
+        for env in envs:
+            env.close()
     return [results[i] for i in sorted(order)]
 
 

@@ -11,7 +11,7 @@ import copy
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +51,7 @@ class TrainState:
     monitor: HackingMonitor
     max_completion_length: int
     start_step: int = 0
+    pool: list[gym.Env] = field(default_factory=list)  # train-split envs reused across steps
 
     @property
     def model(self) -> torch.nn.Module:
@@ -158,7 +159,7 @@ def _rollout_groups(state: TrainState, rng: np.random.Generator) -> list[Traject
 def _play(state: TrainState, task_seeds: list[int], group_offset: int) -> list[Trajectory]:
     g = state.config.group_size
     seeds = [s for s in task_seeds for _ in range(g)]
-    results = run_episodes(lambda: state.make_env("train"), state.policy, seeds, batch_size=len(seeds))
+    results = run_episodes(lambda: state.make_env("train"), state.policy, seeds, batch_size=len(seeds), pool=state.pool)
     return [Trajectory.from_result(r, group_offset + i // g) for i, r in enumerate(results)]
 
 
@@ -175,7 +176,7 @@ def _refine(state: TrainState, trajectories: list[Trajectory], rng: np.random.Ge
         def opening(i: int, conv: Any) -> Any:
             return refinement_conversation(conv, todo[i][0].result, todo[i][1])
 
-        results = run_episodes(lambda: state.make_env("train"), state.policy, [t.result.seed for t, _ in todo], batch_size=len(todo), conversation_for=opening)
+        results = run_episodes(lambda: state.make_env("train"), state.policy, [t.result.seed for t, _ in todo], batch_size=len(todo), conversation_for=opening, pool=state.pool)
         refined = [Trajectory.from_result(r, t.group, refined=True) for r, (t, _) in zip(results, todo)]
         successes = sum(t.success for t in refined)
         prompts = {t.group: t.ids[: t.result.conversation.prompt_len] for grp in triggered for t in grp}
