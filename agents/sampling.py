@@ -52,7 +52,13 @@ def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
 
 
 def sequence_logprobs(
-    model: PreTrainedModel, input_ids: Tensor, attention_mask: Tensor, temperature: float = 1.0
+    model: PreTrainedModel,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    temperature: float = 1.0,
+    *,
+    mask: Tensor | None = None,
+    share_prefix: bool = True,
 ) -> Tensor:
     """(B, T) ids -> (B, T-1) log-probs of `input_ids[:, 1:]` under `log_softmax(logits / T)`.
 
@@ -60,22 +66,108 @@ def sequence_logprobs(
     are meaningless and must be masked by the caller. Differentiable. The (T, V) log-softmax is
     never materialised: each row takes `logit[target] - logsumexp(logits)` and moves on.
     A temperature <= 0 (greedy sampling) means 1, as in `sample_batch`.
+
+    `mask` ((B, T-1), nonzero where a log-prob is wanted) limits the LM head to the target
+    columns some row needs; the other columns come back as 0. With `share_prefix`, leading
+    columns that every row shares (same ids, no padding: a system prompt, a group's prompt) go
+    through the model once and reach the other rows through the KV cache; the result is the same
+    up to float rounding, and so are the gradients.
     """
     scale = temperature if temperature > 0 else 1.0
+    columns = None if mask is None else mask.bool().any(0)  # (T-1,) columns to compute
+    shared = shared_prefix_len(input_ids, attention_mask) if share_prefix else 0
+    if shared >= MIN_SHARED_PREFIX and _forward_kwargs(type(model))[1]:
+        return _prefix_shared_logprobs(model, input_ids, attention_mask, shared, columns, scale)
+    positions = position_ids_from_mask(attention_mask)
+    kept = _kept_columns(columns, 0, input_ids.shape[1] - 1, model)
+    kwargs = {} if kept is None else {"logits_to_keep": kept}
     logits = model(
         input_ids=input_ids,
         attention_mask=attention_mask,
-        position_ids=position_ids_from_mask(attention_mask),
+        position_ids=positions,
         use_cache=False,
-    ).logits  # (B, T, V)
-    targets = input_ids[:, 1:].unsqueeze(-1)  # (B, T-1, 1)
+        **kwargs,
+    ).logits  # (B, T, V), or (B, K, V) for the kept columns
+    if kept is None:
+        return _target_logprobs(logits[:, :-1], input_ids[:, 1:], scale)
+    return _scatter_columns(_target_logprobs(logits, input_ids[:, 1:][:, kept], scale), kept, input_ids.shape[1] - 1)
+
+
+MIN_SHARED_PREFIX = 16  # shorter shared prefixes are not worth a second forward call
+
+
+def shared_prefix_len(input_ids: Tensor, attention_mask: Tensor) -> int:
+    """Number of leading columns where every row has the same id and no padding (0 for B = 1,
+    and never all T columns, so at least one column is left for the rows themselves)."""
+    if input_ids.shape[0] < 2:
+        return 0
+    same = (input_ids == input_ids[:1]).all(0) & attention_mask.bool().all(0)  # (T,)
+    return min(int(same.long().cumprod(0).sum()), input_ids.shape[1] - 1)
+
+
+def _prefix_shared_logprobs(
+    model: PreTrainedModel,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    shared: int,
+    columns: Tensor | None,
+    scale: float,
+) -> Tensor:
+    """`sequence_logprobs` with the first `shared` columns run once (batch 1) and broadcast
+    through the KV cache; hidden state h predicts target h, so targets [0, shared) come from
+    the shared pass (each row gathers its own target) and the rest from the batched pass."""
+    batch, width = input_ids.shape
+    cache_name = _forward_kwargs(type(model))[0]
+    cache = _new_cache(model)
+    head = _kept_columns(columns, 0, shared, model)
+    out = model(
+        input_ids=input_ids[:1, :shared],
+        use_cache=True,
+        logits_to_keep=head if head is not None else 0,
+        **{cache_name: cache},
+    )
+    head = head if head is not None else torch.arange(shared, device=input_ids.device)
+    head_logits = out.logits.expand(batch, -1, -1)  # (B, K0, V)
+    head_lp = _target_logprobs(head_logits, input_ids[:, 1:][:, head], scale)
+    cache.batch_repeat_interleave(batch)
+    tail = _kept_columns(columns, shared, width - 1, model)
+    tail = tail if tail is not None else torch.arange(shared, width - 1, device=input_ids.device)
+    out = model(
+        input_ids=input_ids[:, shared:],
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask)[:, shared:],
+        use_cache=True,
+        logits_to_keep=tail - shared,
+        **{cache_name: cache},
+    )
+    tail_lp = _target_logprobs(out.logits, input_ids[:, 1:][:, tail], scale)
+    return _scatter_columns(torch.cat([head_lp, tail_lp], 1), torch.cat([head, tail]), width - 1)
+
+
+def _kept_columns(columns: Tensor | None, start: int, stop: int, model: PreTrainedModel) -> Tensor | None:
+    """Indices in [start, stop) of the wanted target columns, or None for "all of them"
+    (also when the model cannot skip positions in its LM head)."""
+    if columns is None or not _forward_kwargs(type(model))[1]:
+        return None
+    return columns[start:stop].nonzero().squeeze(1) + start
+
+
+def _target_logprobs(logits: Tensor, targets: Tensor, scale: float) -> Tensor:
+    """(B, K, V) logits and (B, K) targets -> (B, K) log-probs, one row's log-softmax at a time."""
     rows = []
-    for b in range(input_ids.shape[0]):
-        row = logits[b, :-1].float()  # (T-1, V)
+    for b in range(logits.shape[0]):
+        row = logits[b].float()  # (K, V)
         if scale != 1.0:
             row = row / scale
-        rows.append(row.gather(-1, targets[b]).squeeze(-1) - torch.logsumexp(row, dim=-1))
+        rows.append(row.gather(-1, targets[b, :, None]).squeeze(-1) - torch.logsumexp(row, dim=-1))
     return torch.stack(rows)
+
+
+def _scatter_columns(values: Tensor, columns: Tensor, width: int) -> Tensor:
+    """(B, K) values at `columns` -> (B, width), zeros elsewhere (differentiable)."""
+    if values.shape[1] == width:
+        return values
+    return values.new_zeros(values.shape[0], width).index_copy(1, columns, values)
 
 
 @torch.inference_mode()

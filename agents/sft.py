@@ -39,7 +39,7 @@ def sft(
     demos: Sequence[Demo],
     out_dir: str | Path,
     *,
-    epochs: float = 2.0,
+    epochs: float = 3.0,
     lr: float = 3e-3,
     batch_size: int = 8,
     max_len: int = 2048,
@@ -51,24 +51,56 @@ def sft(
     """Fine-tune the model in `model_dir_in` on `demos` and save model + tokenizer to `out_dir`.
 
     Demos longer than `max_len` tokens are cut (their remaining assistant tokens still count).
-    `time_budget_s` stops early, after the step that crosses it. Returns `steps`, `final_loss`
-    (mean over the last 10% of steps), `first_loss`, `tokens` (all tokens seen), `loss_tokens`
-    (assistant tokens seen) and `seconds`. `all_tokens` puts the loss on every token instead
-    (pre-training on transcripts, as `cgym tiny` does).
+    `time_budget_s` caps the wall time: the schedule then runs on whichever of steps or time is
+    further along, so a run stopped by the clock has still warmed up and decayed its learning
+    rate. Returns `steps`, `final_loss` (mean over the last 10% of steps), `first_loss`, `tokens`
+    (all tokens seen), `loss_tokens` (assistant tokens seen) and `seconds`. `all_tokens` puts the
+    loss on every token instead (language-model pre-training on whole transcripts).
     """
-    if epochs <= 0 or batch_size < 1 or max_len < 2:
+    if max_len < 2:
+        raise ValueError(f"need max_len >= 2, got {max_len}")
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir_in))
+    examples = encode_demos(ChatEncoder(tokenizer), demos, max_len)
+    if all_tokens:
+        examples = [(ids, [1] * len(ids)) for ids, _ in examples]
+    return fit(
+        model_dir_in,
+        examples,
+        out_dir,
+        epochs=epochs,
+        lr=lr,
+        batch_size=batch_size,
+        time_budget_s=time_budget_s,
+        seed=seed,
+        progress=progress,
+    )
+
+
+def fit(
+    model_dir_in: str | Path,
+    examples: Sequence[Example],
+    out_dir: str | Path,
+    *,
+    epochs: float = 1.0,
+    lr: float = 3e-3,
+    batch_size: int = 8,
+    time_budget_s: float | None = None,
+    seed: int = 0,
+    progress: bool = True,
+    label: str = "sft",
+) -> dict[str, float]:
+    """Train on ready `(ids, loss mask)` examples (SFT's engine; also `cgym tiny`'s copy drills)
+    and save model + tokenizer to `out_dir`. Options and returned stats as in `sft`."""
+    if epochs <= 0 or batch_size < 1 or not examples:
         raise ValueError(
-            f"need epochs > 0, batch_size >= 1, max_len >= 2; got {epochs}, {batch_size}, {max_len}"
+            f"need epochs > 0, batch_size >= 1 and examples; got {epochs}, {batch_size}, "
+            f"{len(examples)} examples"
         )
     model = AutoModelForCausalLM.from_pretrained(str(model_dir_in), dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir_in))
-    encoder = ChatEncoder(tokenizer)
-    examples = encode_demos(encoder, demos, max_len)
-    if all_tokens:  # language-model pre-training on whole transcripts (prompts and tool replies too)
-        examples = [(ids, [1] * len(ids)) for ids, _ in examples]
-    pad_id = (
-        tokenizer.pad_token_id if tokenizer.pad_token_id is not None else encoder.end_of_turn_id
-    )
+    pad_id = tokenizer.pad_token_id
+    if pad_id is None:
+        pad_id = ChatEncoder(tokenizer).end_of_turn_id
     batches = length_buckets(examples, batch_size)
     total = max(1, math.ceil(epochs * len(batches)))
     stats = _train(
@@ -80,6 +112,7 @@ def sft(
         seed=seed,
         time_budget_s=time_budget_s,
         progress=progress,
+        label=label,
     )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -121,19 +154,26 @@ def collate(batch: Sequence[Example], pad_id: int) -> tuple[Tensor, Tensor, Tens
 
 
 def sft_loss(model: PreTrainedModel, ids: Tensor, attention: Tensor, loss_mask: Tensor) -> Tensor:
-    """Mean negative log-likelihood over the tokens with loss mask 1."""
-    logprobs = sequence_logprobs(model, ids, attention)  # (B, T-1)
+    """Mean negative log-likelihood over the tokens with loss mask 1.
+
+    Only the loss columns go through the LM head, and a prefix every row shares (the system
+    prompt) through the model once: both are exact, and together ~3x faster on the tiny model.
+    """
     targets = loss_mask[:, 1:]
+    logprobs = sequence_logprobs(model, ids, attention, mask=targets)  # (B, T-1)
     return -(logprobs * targets).sum() / targets.sum().clamp(min=1.0)
 
 
-def _schedule(step: int, total: int) -> float:
-    """LR multiplier: linear warm-up over the first ~5% of steps, then cosine decay to 10%."""
-    warmup = max(1, total // 20)
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = (step - warmup) / max(1, total - warmup)
-    return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
+WARMUP = 0.05  # share of the run (in steps or in time) spent warming up
+
+
+def _schedule(progress: float) -> float:
+    """LR multiplier at `progress` in [0, 1]: linear warm-up over the first 5%, then cosine decay
+    to 10%."""
+    if progress < WARMUP:
+        return progress / WARMUP
+    done = min(1.0, (progress - WARMUP) / (1.0 - WARMUP))
+    return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * done))
 
 
 def _batch_order(batches: list[list[Example]], rng: random.Random) -> Iterator[list[Example]]:
@@ -152,16 +192,16 @@ def _train(
     seed: int,
     time_budget_s: float | None,
     progress: bool,
+    label: str = "sft",
 ) -> dict[str, float]:
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _schedule(step, total))
     order = _batch_order(batches, random.Random(seed))
     losses: list[float] = []
     tokens = loss_tokens = 0
     start = time.perf_counter()
     with Progress(
-        TextColumn("sft"),
+        TextColumn(label),
         BarColumn(),
         MofNCompleteColumn(),
         TextColumn("loss {task.fields[loss]:.3f}"),
@@ -169,15 +209,19 @@ def _train(
         TimeRemainingColumn(),
         disable=not progress,
     ) as bar:
-        task = bar.add_task("sft", total=total, loss=float("nan"))
-        for _ in range(total):
+        task = bar.add_task(label, total=total, loss=float("nan"))
+        for step in range(total):
+            done = (step + 1) / total
+            if time_budget_s:
+                done = max(done, (time.perf_counter() - start) / time_budget_s)
+            for group in optimizer.param_groups:
+                group["lr"] = lr * _schedule(done)
             ids, attention, loss_mask = collate(next(order), pad_id)
             loss = sft_loss(model, ids, attention, loss_mask)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
-            scheduler.step()
             losses.append(loss.item())
             tokens += int(attention.sum())
             loss_tokens += int(loss_mask[:, 1:].sum())

@@ -9,6 +9,7 @@ The chat template follows the Qwen2.5 / Hermes conventions (`<|im_start|>role\\n
 
 from __future__ import annotations
 
+import random
 import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -213,3 +214,33 @@ def build_tiny(
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+def copy_drills(
+    tokenizer: PreTrainedTokenizerFast,
+    count: int,
+    *,
+    min_len: int = 8,
+    max_len: int = 48,
+    seed: int = 0,
+) -> list[tuple[list[int], list[int]]]:
+    """Synthetic copy drills `(ids, loss mask)`: a run of random ordinary tokens, `<|im_start|>`,
+    the same run again, with the loss on the repeat only.
+
+    A freshly initialised tiny model fine-tuned on tool-use demos learns the format within a
+    hundred steps, then sits on a plateau where every name, id and date it should copy from the
+    context comes from its prior instead (an induction-head plateau). A few hundred steps on
+    these drills put copy circuits in place first, after which SFT breaks through in a few hundred
+    steps instead of (on 2 CPU cores) not within the budget at all.
+    """
+    if not 1 <= min_len <= max_len:
+        raise ValueError(f"need 1 <= min_len <= max_len, got {min_len}, {max_len}")
+    reserved = set(tokenizer.all_special_ids) | set(tokenizer.convert_tokens_to_ids(list(TOOL_TOKENS)))
+    pool = [i for i in range(len(tokenizer)) if i not in reserved]
+    sep = tokenizer.convert_tokens_to_ids(IM_START)
+    rng = random.Random(seed)
+    drills = []
+    for _ in range(count):
+        run = rng.choices(pool, k=rng.randint(min_len, max_len))
+        drills.append((run + [sep] + run, [0] * (len(run) + 1) + [1] * len(run)))
+    return drills
