@@ -24,9 +24,9 @@ class QuickstartPlan:
 
     difficulty: str = "easy"
     sft_demos: int = 3000
-    sft_seconds: float = 150.0
+    sft_seconds: float = 240.0
     sft_lr: float = 3e-3
-    train_seconds: float = 240.0
+    train_seconds: float = 150.0
     train_steps: int = 60
     group_size: int = 8
     tasks_per_step: int = 4
@@ -66,7 +66,7 @@ def run(out: Path, plan: QuickstartPlan = QuickstartPlan(), *, console: Console 
     console.rule("2/4 SFT warm start on scripted demonstrations")
     env_kwargs = {"difficulty": plan.difficulty}
     demos = demonstrations(ENV_ID, env_kwargs, episodes=plan.sft_demos, seed=plan.seed + 1)
-    sft(tiny, demos, out / "sft", lr=plan.sft_lr, epochs=1.0, time_budget_s=plan.sft_seconds, seed=plan.seed)
+    sft(tiny, demos, out / "sft", lr=plan.sft_lr, epochs=2.0, time_budget_s=plan.sft_seconds, seed=plan.seed)
     phase("sft")
 
     console.rule("3/4 GRPO + Critique-GRPO on the train split")

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from agents.base import Conversation, Policy, Turn
 from agents.chat import ChatEncoder, LedgerError
 from agents.hf import HFPolicy
-from agents.sampling import _top_p_mask, sequence_logprobs
+from agents.sampling import _top_p_mask, sequence_logprobs, shared_prefix_len
 from agents.tiny import build_tiny
 
 SIZES = dict(
@@ -180,6 +180,54 @@ def test_sequence_logprobs_is_padding_invariant(model) -> None:
         torch.testing.assert_close(batched[0], single[0], atol=1e-5, rtol=0)
         short = batched[1, 2:] if side == "left" else batched[1, :2]
         torch.testing.assert_close(short, single[1], atol=1e-5, rtol=0)
+
+
+def shared_prompt_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded rows with a 24-token common prefix, and a loss mask on some later columns."""
+    gen = torch.Generator().manual_seed(0)
+    prefix = torch.randint(3, 200, (24,), generator=gen).tolist()
+    rows = [prefix + torch.randint(3, 200, (n,), generator=gen).tolist() for n in (9, 4, 13)]
+    width = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    attention = torch.zeros_like(ids)
+    mask = torch.zeros(len(rows), width - 1)
+    for b, r in enumerate(rows):
+        ids[b, : len(r)] = torch.tensor(r)
+        attention[b, : len(r)] = 1
+        mask[b, len(r) - 4 : len(r) - 1] = 1  # a few targets near each row's end
+    mask[0, 10] = 1  # and one inside the shared prefix
+    return ids, attention, mask
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7], ids=["t1", "t0.7"])
+def test_shared_prefix_and_masked_head_match_the_plain_pass(model, temperature: float) -> None:
+    ids, attention, mask = shared_prompt_batch()
+    assert shared_prefix_len(ids, attention) == 24
+    plain = sequence_logprobs(model, ids, attention, temperature, share_prefix=False)
+    shared = sequence_logprobs(model, ids, attention, temperature)
+    torch.testing.assert_close(shared, plain, atol=1e-5, rtol=0)
+    masked = sequence_logprobs(model, ids, attention, temperature, mask=mask)
+    wanted = mask.bool()
+    torch.testing.assert_close(masked[wanted], plain[wanted], atol=1e-5, rtol=0)
+    assert (masked[:, ~wanted.any(0)] == 0).all()
+
+
+def test_shared_prefix_gradients_match(tiny_dir: Path) -> None:
+    ids, attention, mask = shared_prompt_batch()
+    grads = []
+    for kwargs in ({"share_prefix": False}, {"mask": mask}):
+        net = AutoModelForCausalLM.from_pretrained(tiny_dir)
+        (sequence_logprobs(net, ids, attention, **kwargs) * mask).sum().backward()
+        grads.append(torch.cat([p.grad.flatten() for p in net.parameters()]))
+    assert grads[0].abs().sum() > 0
+    torch.testing.assert_close(grads[1], grads[0], atol=1e-5, rtol=1e-4)
+
+
+def test_no_shared_prefix_with_left_padding_or_one_row() -> None:
+    ids = torch.tensor([[0, 5, 6, 7], [4, 5, 6, 7]])
+    assert shared_prefix_len(ids, torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])) == 0
+    assert shared_prefix_len(ids[1:], torch.ones(1, 4, dtype=torch.long)) == 0
+    assert shared_prefix_len(ids[[1, 1]], torch.ones(2, 4, dtype=torch.long)) == 3
 
 
 def test_same_seed_same_turns(model, tokenizer) -> None:

@@ -14,8 +14,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from agents.base import Conversation
 from agents.chat import ChatEncoder, LedgerError
 from agents.hf import HFPolicy
-from agents.sft import length_buckets, sft
-from agents.tiny import build_tiny
+from agents.sft import WARMUP, _schedule, fit, length_buckets, sft
+from agents.tiny import build_tiny, copy_drills
 
 SIZES = dict(
     vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, max_positions=1024
@@ -176,3 +176,38 @@ def test_deterministic_and_time_budget(tiny_dir: Path, tmp_path: Path) -> None:
         progress=False,
     )
     assert short["steps"] == 1
+
+
+def test_schedule_warms_up_then_decays_to_a_tenth() -> None:
+    assert _schedule(0.0) == 0.0 and _schedule(WARMUP / 2) == pytest.approx(0.5)
+    assert _schedule(WARMUP) == pytest.approx(1.0) and _schedule(1.0) == pytest.approx(0.1)
+    after = [_schedule(WARMUP + i / 10 * (1 - WARMUP)) for i in range(11)]
+    assert after == sorted(after, reverse=True)
+
+
+def test_time_budget_drives_the_schedule(tiny_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    """A run cut by the clock has decayed its learning rate, however many steps it planned."""
+    clock = iter(range(1000))
+    monkeypatch.setattr("agents.sft.time.perf_counter", lambda: float(next(clock)))
+    seen: list[float] = []
+    step = torch.optim.AdamW.step
+
+    def spy(self, *args, **kwargs):
+        seen.append(self.param_groups[0]["lr"])
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", spy)
+    stats = sft(tiny_dir, DEMOS[:4], tmp_path, epochs=100, batch_size=2, lr=1e-3, time_budget_s=5.0, progress=False)
+    assert stats["steps"] == len(seen) < 10
+    assert seen[-1] == pytest.approx(1e-3 * _schedule(1.0), rel=0.2)
+
+
+def test_fit_trains_on_ready_examples(tiny_dir: Path, tokenizer, tmp_path: Path) -> None:
+    drills = copy_drills(tokenizer, 24, min_len=4, max_len=8, seed=0)
+    stats = fit(tiny_dir, drills, tmp_path, epochs=2, batch_size=8, progress=False, label="copy")
+    assert stats["steps"] == 6 and stats["loss_tokens"] == 2 * sum(sum(m) for _, m in drills)
+    before = AutoModelForCausalLM.from_pretrained(tiny_dir).state_dict()
+    after = AutoModelForCausalLM.from_pretrained(tmp_path).state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    with pytest.raises(ValueError, match="examples"):
+        fit(tiny_dir, [], tmp_path, progress=False)

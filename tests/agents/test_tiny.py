@@ -12,7 +12,7 @@ import torch
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from agents.tiny import SPECIAL_TOKENS, TOOL_TOKENS, build_tiny
+from agents.tiny import SPECIAL_TOKENS, TOOL_TOKENS, build_tiny, copy_drills
 
 SIZES = dict(
     vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, max_positions=1024
@@ -176,3 +176,21 @@ def test_prefix_property(tokenizer, tools: list, k: int) -> None:
     assert longer.startswith(shorter) and len(longer) > len(shorter)
     if TRANSCRIPT[k]["role"] == "assistant":
         assert longer.startswith(render(TRANSCRIPT[:k], generation_prompt=True))
+
+
+def test_copy_drills_repeat_a_run_and_put_the_loss_on_the_repeat(tokenizer) -> None:
+    drills = copy_drills(tokenizer, 50, min_len=3, max_len=9, seed=1)
+    assert drills == copy_drills(tokenizer, 50, min_len=3, max_len=9, seed=1)
+    reserved = set(tokenizer.all_special_ids) | set(tokenizer.convert_tokens_to_ids(list(TOOL_TOKENS)))
+    sep = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    for ids, mask in drills:
+        n = (len(ids) - 1) // 2
+        assert 3 <= n <= 9 and len(ids) == len(mask) == 2 * n + 1
+        assert ids[:n] == ids[n + 1 :] and ids[n] == sep and not reserved & set(ids[:n])
+        assert mask == [0] * (n + 1) + [1] * n
+    assert len({tuple(ids) for ids, _ in drills}) == 50
+
+
+def test_copy_drills_reject_bad_lengths(tokenizer) -> None:
+    with pytest.raises(ValueError, match="min_len"):
+        copy_drills(tokenizer, 1, min_len=5, max_len=4)
