@@ -8,8 +8,11 @@ from typing import Any
 
 import numpy as np
 
+from agents.base import Conversation
+from agents.critics import refinement_conversation
 from agents.episodes import run_episodes
-from agents.scripted import ScriptedPolicy, family_of
+from agents.scripted import Family, ScriptedPolicy, family_of
+from envs.critique import CritiqueStyle
 from envs.registration import make
 
 Demo = tuple[list[dict[str, Any]], list[dict[str, Any]]]  # (messages, tools)
@@ -28,12 +31,7 @@ def demonstrations(
     The flawed share keeps the warm-started model good but not perfect, leaving room for RL.
     """
     kwargs = {**env_kwargs, "split": "train"}
-    probe = make(env_id, **kwargs)
-    _, info = probe.reset(seed=seed)
-    probe.close()
-    family = family_of(info["tools"])
-    if family is None:
-        raise ValueError(f"{env_id} has no scripted agents to demonstrate with")
+    family = _family(env_id, kwargs, seed)
     flawed = sorted(family.near_misses or family.flaw_codes)
     rng = np.random.default_rng(seed)
     agents = ["oracle" if rng.random() >= imperfect else flawed[int(rng.integers(len(flawed)))] for _ in range(episodes)]
@@ -45,6 +43,50 @@ def demonstrations(
         demos += [(r.conversation.messages, r.conversation.tools) for r in results]
     order = rng.permutation(len(demos))
     return [demos[i] for i in order]
+
+
+def refinement_demos(
+    env_id: str,
+    env_kwargs: dict[str, Any],
+    *,
+    episodes: int,
+    seed: int = 0,
+    style: CritiqueStyle = "step",
+) -> list[Demo]:
+    """Critique-taking demonstrations: a near-miss agent's failed attempt and its critique in the
+    refinement prompt Critique-GRPO uses, then the oracle solving the task from the start.
+
+    Instruction-tuned models already act on feedback; a model warm-started from scratch does not.
+    Mixing these into SFT gives it that skill, so refinements of its own failures can succeed.
+    """
+    kwargs = {**env_kwargs, "split": "train"}
+    family = _family(env_id, kwargs, seed)
+    rng = np.random.default_rng(seed)
+    seeds = [seed * 1_000_000 + 500_000 + i for i in range(episodes)]
+    flaws = [family.near_misses[int(rng.integers(len(family.near_misses)))] for _ in seeds]
+    solved = {r.seed: r for r in run_episodes(lambda: make(env_id, **kwargs), ScriptedPolicy("oracle"), seeds, batch_size=64)}
+    demos: list[Demo] = []
+    for flaw in sorted(set(flaws)):
+        mine = [s for s, f in zip(seeds, flaws) if f == flaw]
+        for failed in run_episodes(lambda: make(env_id, **kwargs), ScriptedPolicy(flaw), mine, batch_size=64):
+            if failed.success:
+                continue  # some flaws do not bite on every task (e.g. no page to skip)
+            oracle = solved[failed.seed].conversation
+            opening = Conversation(oracle.messages[:2], oracle.tools)
+            prompt = refinement_conversation(opening, failed, failed.critique(style))
+            demos.append((prompt.messages + oracle.messages[2:], oracle.tools))
+    order = rng.permutation(len(demos))
+    return [demos[i] for i in order]
+
+
+def _family(env_id: str, kwargs: dict[str, Any], seed: int) -> Family:
+    probe = make(env_id, **kwargs)
+    _, info = probe.reset(seed=seed)
+    probe.close()
+    family = family_of(info["tools"])
+    if family is None:
+        raise ValueError(f"{env_id} has no scripted agents to demonstrate with")
+    return family
 
 
 def corpus(demos: Sequence[Demo]) -> Iterator[str]:

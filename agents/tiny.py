@@ -223,9 +223,12 @@ def copy_drills(
     min_len: int = 8,
     max_len: int = 48,
     seed: int = 0,
+    digit_share: float = 0.0,
 ) -> list[tuple[list[int], list[int]]]:
     """Synthetic copy drills `(ids, loss mask)`: a run of random ordinary tokens, `<|im_start|>`,
-    the same run again, with the loss on the repeat only.
+    the same run again, with the loss on the repeat only. A `digit_share` of the runs use the ten
+    digit tokens only: there every token repeats, so copying needs the position in the run, not
+    just the previous token (ids and dates are where the tiny model slips).
 
     A freshly initialised tiny model fine-tuned on tool-use demos learns the format within a
     hundred steps, then sits on a plateau where every name, id and date it should copy from the
@@ -235,12 +238,15 @@ def copy_drills(
     """
     if not 1 <= min_len <= max_len:
         raise ValueError(f"need 1 <= min_len <= max_len, got {min_len}, {max_len}")
+    if not 0.0 <= digit_share <= 1.0:
+        raise ValueError(f"digit_share must be in [0, 1], got {digit_share}")
     reserved = set(tokenizer.all_special_ids) | set(tokenizer.convert_tokens_to_ids(list(TOOL_TOKENS)))
     pool = [i for i in range(len(tokenizer)) if i not in reserved]
     sep = tokenizer.convert_tokens_to_ids(IM_START)
+    digits = tokenizer.convert_tokens_to_ids(list("0123456789"))
     rng = random.Random(seed)
     drills = []
     for _ in range(count):
-        run = rng.choices(pool, k=rng.randint(min_len, max_len))
+        run = rng.choices(digits if rng.random() < digit_share else pool, k=rng.randint(min_len, max_len))
         drills.append((run + [sep] + run, [0] * (len(run) + 1) + [1] * len(run)))
     return drills

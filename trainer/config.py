@@ -77,7 +77,7 @@ class TrainConfig:
     eval_every: int = 0
     """Evaluate on the test split every N steps (0: only before and after)."""
     eval_episodes: int = 50
-    """Test episodes per evaluation."""
+    """Test episodes per evaluation; 0 skips test evaluation (before/after come back as None)."""
     eval_temperature: float = 0.0
     """Temperature for evaluations (0 = greedy)."""
     save_every: int = 0
@@ -97,9 +97,11 @@ class TrainConfig:
         _choice("zero_std", self.zero_std, ("keep", "drop", "resample"))
         if not (self.critique in CRITIQUE_STYLES or self.critique.startswith("model:")):
             raise ValueError(f"critique={self.critique!r}: choose one of {list(CRITIQUE_STYLES)} or 'model:<policy-spec>'")
-        for name in ("steps", "group_size", "tasks_per_step", "micro_batch_size", "num_iterations", "max_new_tokens", "eval_episodes", "refine_attempts"):
+        for name in ("steps", "group_size", "tasks_per_step", "micro_batch_size", "num_iterations", "max_new_tokens", "refine_attempts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.eval_episodes < 0:
+            raise ValueError(f"eval_episodes must be >= 0 (0: no test evaluation), got {self.eval_episodes}")
         if self.group_size < 2:
             raise ValueError("group_size must be >= 2: GRPO compares trajectories within a group")
         if not self.model:

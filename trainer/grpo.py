@@ -133,7 +133,7 @@ def train_step(state: TrainState, step: int) -> dict[str, Any]:
     row.update(tokens_per_s=sampled / max(rollout_s, 1e-9), step_time_s=elapsed, rollout_time_s=rollout_s, lr=state.scheduler.get_last_lr()[0])
     row["tokens/initial"] = sum(t.sampled_tokens for t in trajectories)
     row["tokens/refined"] = sum(t.sampled_tokens for t in refined)
-    warning = state.monitor.update(metrics["hacking/top_quartile_failed"], metrics["success_rate"] > 0)
+    warning = state.monitor.update(metrics["hacking/top_quartile_failed"], metrics["hacking/failed_outscoring"])
     if warning:
         row["hacking/warning"] = warning
     return row
@@ -279,8 +279,9 @@ def train(config: TrainConfig, *, make_env: EnvFactory | None = None, resume: bo
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "train_config.json").write_text(json.dumps(config.to_dict(), indent=2, default=str))
+    evaluating = make_env is None and config.eval_episodes > 0
     before = None
-    if state.start_step == 0 and make_env is None:
+    if state.start_step == 0 and evaluating:
         before = evaluate_model(state)
         state.log.write({"step": 0, "eval/success_rate": before["success_rate"], "eval/mean_reward": before["mean_reward"]})
     started = time.perf_counter()
@@ -288,7 +289,7 @@ def train(config: TrainConfig, *, make_env: EnvFactory | None = None, resume: bo
     with step_progress(console, config.steps, "train", enabled=config.progress, start=state.start_step) as advance:
         for step in range(state.start_step + 1, config.steps + 1):
             row = train_step(state, step)
-            if config.eval_every and step % config.eval_every == 0 and step < config.steps and make_env is None:
+            if config.eval_every and step % config.eval_every == 0 and step < config.steps and evaluating:
                 ev = evaluate_model(state)
                 row.update({"eval/success_rate": ev["success_rate"], "eval/mean_reward": ev["mean_reward"]})
             state.log.write(row)
@@ -300,7 +301,7 @@ def train(config: TrainConfig, *, make_env: EnvFactory | None = None, resume: bo
                 console.print(f"time budget of {config.time_budget_s:.0f}s reached after step {step}")
                 break
     after = None
-    if make_env is None:
+    if evaluating:
         after = evaluate_model(state)
         state.log.write({"step": last, "eval/success_rate": after["success_rate"], "eval/mean_reward": after["mean_reward"]})
     final = save(state, last, out / "final")

@@ -33,6 +33,7 @@ def rollout_metrics(trajectories: Sequence[Trajectory], group_size: int) -> dict
         "critique_codes": dict(codes.most_common()),
         "truncated_rate": float(np.mean([t.truncated for t in initial])),
         "hacking/top_quartile_failed": top_quartile_failed(initial),
+        "hacking/failed_outscoring": failed_outscoring(initial),
     }
 
 
@@ -46,21 +47,40 @@ def top_quartile_failed(trajectories: Sequence[Trajectory]) -> float:
     return float(np.mean([not t.success for t in top]))
 
 
+def failed_outscoring(trajectories: Sequence[Trajectory]) -> float:
+    """Share of failed trajectories whose reward reaches the lowest successful one (0 without successes).
+
+    A rubric that gates correctness keeps this at 0 even when successes are rare and the top
+    quartile is all near misses; above 0, wrong answers are paid like right ones.
+    """
+    wins = [t.reward for t in trajectories if t.success]
+    losses = [t.reward for t in trajectories if not t.success]
+    if not wins or not losses:
+        return 0.0
+    return float(np.mean(np.array(losses) >= min(wins)))
+
+
 class HackingMonitor:
-    """Warns loudly when high-reward, unsuccessful trajectories persist: fix the reward first."""
+    """Warns loudly when high-reward, unsuccessful trajectories persist: fix the reward first.
+
+    It fires after `patience` steps in a row where more than `threshold` of the top-quartile
+    trajectories failed *and* some failure scored as high as a success; a top quartile of near
+    misses that the reward still ranks below every success is not hacking.
+    """
 
     def __init__(self, threshold: float = HACKING_THRESHOLD, patience: int = HACKING_PATIENCE) -> None:
         self.threshold = threshold
         self.patience = patience
         self.streak = 0
 
-    def update(self, share: float, has_success: bool) -> str | None:
+    def update(self, share: float, outscoring: float) -> str | None:
         """Returns the warning text when it fires (after `patience` steps in a row)."""
-        self.streak = self.streak + 1 if share > self.threshold and has_success else 0
+        self.streak = self.streak + 1 if share > self.threshold and outscoring > 0 else 0
         if self.streak < self.patience:
             return None
         message = (
-            f"reward hacking? for {self.streak} steps, {share:.0%} of top-quartile-reward trajectories did not succeed: "
+            f"reward hacking? for {self.streak} steps, {share:.0%} of top-quartile-reward trajectories did not succeed "
+            f"and {outscoring:.0%} of failures scored as high as a success: "
             "check that high-scoring answers meet the goal and fix the rubric before training longer"
         )
         warnings.warn(message, stacklevel=2)

@@ -26,11 +26,12 @@ class QuickstartPlan:
     sft_demos: int = 3000
     sft_seconds: float = 240.0
     sft_lr: float = 3e-3
-    train_seconds: float = 150.0
+    train_seconds: float = 180.0
     train_steps: int = 60
     group_size: int = 8
     tasks_per_step: int = 4
-    learning_rate: float = 1e-4
+    learning_rate: float = 2e-4
+    temperature: float = 0.8
     eval_episodes: int = 100
     critique: str = "step"
     seed: int = 0
@@ -73,17 +74,18 @@ def run(out: Path, plan: QuickstartPlan = QuickstartPlan(), *, console: Console 
     config = TrainConfig(
         env_id=ENV_ID, env_kwargs=env_kwargs, model=str(out / "sft"), out=str(out / "grpo"), steps=plan.train_steps,
         group_size=plan.group_size, tasks_per_step=plan.tasks_per_step, learning_rate=plan.learning_rate,
-        critique=plan.critique, eval_episodes=plan.eval_episodes, time_budget_s=plan.train_seconds, seed=plan.seed,
+        temperature=plan.temperature, critique=plan.critique, time_budget_s=plan.train_seconds, seed=plan.seed,
+        eval_episodes=0,  # before/after are measured once, by the comparison below, on the same episodes
     )  # fmt: skip
     trained = train(config, console=console)
     phase("train")
 
     console.rule("4/4 compare prompt-only, guarded and trained on the same test episodes")
-    eval_config = EvalConfig(ENV_ID, {**env_kwargs, "split": "test"}, episodes=plan.eval_episodes, seed=10_000, batch_size=50)
+    eval_config = EvalConfig(ENV_ID, {**env_kwargs, "split": "test"}, episodes=plan.eval_episodes, seed=10_000, batch_size=100)
     sft_policy = HFPolicy.from_pretrained(out / "sft", temperature=0.0, max_new_tokens=config.max_new_tokens, seed=0)
     arms = [
         ("prompt-only (SFT)", sft_policy),
-        ("guarded (SFT + validation/retry)", GuardedPolicy(HFPolicy(sft_policy.model, sft_policy.tokenizer, temperature=0.7, max_new_tokens=config.max_new_tokens, seed=1))),
+        ("guarded (SFT + validation/retry)", GuardedPolicy(HFPolicy(sft_policy.model, sft_policy.tokenizer, temperature=0.0, max_new_tokens=config.max_new_tokens, seed=1))),
         ("trained (GRPO)", HFPolicy.from_pretrained(trained["final"], temperature=0.0, max_new_tokens=config.max_new_tokens, seed=0)),
     ]
     result = compare(arms, eval_config, on_arm=lambda label: console.print(f"evaluating {label} ..."))

@@ -27,7 +27,7 @@ class Family:
     near_misses: tuple[str, ...] = ()  # flaws that look like honest mistakes (SFT's imperfect share)
 
 
-FAMILIES: list[Family] = [Family("api_report", "search_customers", API_AGENTS, API_FLAW_CODES, ("wrong_field", "malformed_json", "skip_pagination", "no_retry"))]
+FAMILIES: list[Family] = [Family("api_report", "search_customers", API_AGENTS, API_FLAW_CODES, ("wrong_field", "typo", "malformed_json", "skip_pagination", "no_retry"))]
 
 try:  # the SQL family registers itself when present
     from agents.scripted.sql import FLAW_CODES as SQL_FLAW_CODES

@@ -184,6 +184,32 @@ class WrongField(Oracle):
         return answer(report, state)
 
 
+class Typo(Oracle):
+    """Miscopies one character of one field (a digit of the id, a letter of the email): the slip
+    a small model makes when it copies from a tool result."""
+
+    name = "typo"
+
+    def final(self, state: State) -> str:
+        report = compute_report(state)
+        name = state.fields[len(state.name) % len(state.fields)]
+        report[name] = _slip(report[name], seed=len(state.name) + sum(map(ord, str(report[name]))))
+        return answer(report, state)
+
+
+def _slip(value: Any, seed: int) -> Any:
+    """`value` with one digit or letter replaced by another of the same kind."""
+    text = str(value)
+    spots = [i for i, ch in enumerate(text) if ch.isalnum()]
+    if not spots:
+        return f"{text}x"
+    i = spots[seed % len(spots)]
+    alphabet = "0123456789" if text[i].isdigit() else "abcdefghijklmnopqrstuvwxyz"
+    ch = alphabet[(alphabet.index(text[i].lower()) + 1 + seed % (len(alphabet) - 1)) % len(alphabet)]
+    slipped = text[:i] + ch + text[i + 1 :]
+    return type(value)(slipped) if isinstance(value, (int, float)) and not isinstance(value, bool) else slipped
+
+
 class MalformedJson(Oracle):
     name = "malformed_json"
 
@@ -255,6 +281,7 @@ API_AGENTS: dict[str, AgentFn] = {
     "no_retry": NoRetry(),
     "skip_auth": SkipAuth(),
     "wrong_field": WrongField(),
+    "typo": Typo(),
     "malformed_json": MalformedJson(),
     "missing_argument": MissingArgument(),
     "unknown_tool": UnknownTool(),
@@ -270,6 +297,7 @@ FLAW_CODES: dict[str, str] = {
     "no_retry": "http_error_not_retried",
     "skip_auth": "auth_skipped",
     "wrong_field": "field_mismatch",
+    "typo": "field_mismatch",
     "malformed_json": "json_parse_error",
     "missing_argument": "missing_argument",
     "unknown_tool": "unknown_tool",

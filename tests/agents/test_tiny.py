@@ -191,6 +191,18 @@ def test_copy_drills_repeat_a_run_and_put_the_loss_on_the_repeat(tokenizer) -> N
     assert len({tuple(ids) for ids, _ in drills}) == 50
 
 
+def test_digit_drills_copy_runs_of_digits(tokenizer) -> None:
+    digits = set(tokenizer.convert_tokens_to_ids(list("0123456789")))
+    drills = copy_drills(tokenizer, 200, min_len=12, max_len=12, seed=0, digit_share=0.5)
+    runs = [ids[:12] for ids, _ in drills]
+    digit_runs = [run for run in runs if set(run) <= digits]
+    assert 70 <= len(digit_runs) <= 130
+    assert all(ids[:12] == ids[13:] for ids, _ in drills)
+    assert not [ids for ids, _ in copy_drills(tokenizer, 50, seed=0) if set(ids[:8]) <= digits]
+
+
 def test_copy_drills_reject_bad_lengths(tokenizer) -> None:
     with pytest.raises(ValueError, match="min_len"):
         copy_drills(tokenizer, 1, min_len=5, max_len=4)
+    with pytest.raises(ValueError, match="digit_share"):
+        copy_drills(tokenizer, 1, digit_share=1.5)

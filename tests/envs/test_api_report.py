@@ -55,6 +55,8 @@ FLAWS = [
     ("no_retry", {"difficulty": "hard", "faults": 1.0}, "http_error_not_retried", lambda r: 1),
     ("skip_auth", {"difficulty": "hard", "faults": 0.0}, "auth_skipped", lambda r: 1),
     ("wrong_field", {"difficulty": "medium"}, "field_mismatch", lambda r: len(r.turns)),
+    ("typo", {"difficulty": "easy"}, "field_mismatch", lambda r: len(r.turns)),
+    ("typo", {"difficulty": "hard", "faults": 0.0}, "field_mismatch", lambda r: len(r.turns)),
     ("malformed_json", {"difficulty": "easy"}, "json_parse_error", lambda r: len(r.turns)),
     ("missing_argument", {"difficulty": "easy"}, "missing_argument", lambda r: 1),
     ("unknown_tool", {"difficulty": "medium"}, "unknown_tool", lambda r: 1),

@@ -1,0 +1,43 @@
+"""The reward-hacking monitor: top-quartile failures, and failures paid like successes."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainer.metrics import HackingMonitor, failed_outscoring, top_quartile_failed
+from trainer.rollout import Trajectory
+
+
+def traj(reward: float, success: bool) -> Trajectory:
+    return Trajectory([1], [1], [0.0], reward, success, group=0, truncated=False)
+
+
+# rare successes, near misses fill the top quartile, but the gate keeps them below every success
+GATED = [traj(4.0, True)] + [traj(2.8, False)] * 5 + [traj(2.2, False)] * 2
+# a failure scores as high as a success: the rubric pays a wrong answer
+HACKED = [traj(4.0, True), traj(4.5, False), traj(4.5, False), traj(1.0, False)]
+
+
+def test_top_quartile_failed_counts_the_top_quarter() -> None:
+    assert top_quartile_failed(GATED) == pytest.approx(5 / 6)
+    assert top_quartile_failed(HACKED) == pytest.approx(1.0)
+    assert top_quartile_failed([traj(1.0, True)] * 4) == 0.0
+    assert top_quartile_failed([]) == 0.0
+
+
+def test_failed_outscoring_needs_both_outcomes() -> None:
+    assert failed_outscoring(GATED) == 0.0
+    assert failed_outscoring(HACKED) == pytest.approx(2 / 3)
+    assert failed_outscoring([traj(3.0, False)] * 3) == 0.0
+    assert failed_outscoring([traj(3.0, True)] * 3) == 0.0
+
+
+def test_monitor_warns_after_patience_only_when_failures_are_paid_like_successes() -> None:
+    monitor = HackingMonitor(threshold=0.5, patience=3)
+    for _ in range(10):  # the quickstart's situation: a top quartile of near misses, gated
+        assert monitor.update(top_quartile_failed(GATED), failed_outscoring(GATED)) is None
+    shares = (top_quartile_failed(HACKED), failed_outscoring(HACKED))
+    assert monitor.update(*shares) is None and monitor.update(*shares) is None
+    with pytest.warns(UserWarning, match="reward hacking"):
+        assert "scored as high as a success" in monitor.update(*shares)
+    assert monitor.update(top_quartile_failed(GATED), 0.0) is None  # the streak resets
