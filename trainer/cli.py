@@ -160,7 +160,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     config = TrainConfig(
         env_id=args.env, env_kwargs=args.env_kwargs, model=args.model, out=str(args.out), steps=args.steps,
-        group_size=args.group_size, tasks_per_step=args.tasks_per_step, learning_rate=args.lr,
+        group_size=args.group_size, tasks_per_step=args.tasks_per_step, task_pool=args.task_pool, learning_rate=args.lr,
         loss_type=args.loss_type, scale=args.scale, epsilon_low=args.epsilon_low, epsilon_high=args.epsilon_high,
         beta=args.beta, num_iterations=args.num_iterations, micro_batch_size=args.micro_batch_size,
         zero_std=args.zero_std, mask_truncated=args.mask_truncated, temperature=args.temperature, top_p=args.top_p,
@@ -287,6 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=20, help="optimizer steps (each: one rollout of tasks x group)")
     p.add_argument("--group-size", type=int, default=8, help="trajectories per task (n in GRPO)")
     p.add_argument("--tasks-per-step", type=int, default=4, help="tasks drawn from the train split per step")
+    p.add_argument("--task-pool", type=int, default=0, help="draw tasks from a fixed pool of N train seeds (0: the whole split)")
     p.add_argument("--lr", type=float, default=2e-4, help="AdamW learning rate")
     p.add_argument("--loss-type", default="dapo", choices=["grpo", "bnpo", "dapo", "dr_grpo"], help="loss aggregation over tokens")
     p.add_argument("--scale", default="group", choices=["group", "batch", "none"], help="advantage std: per group, per batch, or none")

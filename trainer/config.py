@@ -30,6 +30,8 @@ class TrainConfig:
     """Trajectories per task (n in GRPO)."""
     tasks_per_step: int = 4
     """Tasks per step."""
+    task_pool: int = 0
+    """Draw tasks from a fixed pool of this many train-split seeds (0: the whole split)."""
     learning_rate: float = 2e-4
     """AdamW learning rate (constant after warm-up)."""
     warmup_steps: int = 0
@@ -100,6 +102,8 @@ class TrainConfig:
         for name in ("steps", "group_size", "tasks_per_step", "micro_batch_size", "num_iterations", "max_new_tokens", "refine_attempts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.task_pool < 0:
+            raise ValueError(f"task_pool must be >= 0 (0: the whole train split), got {self.task_pool}")
         if self.eval_episodes < 0:
             raise ValueError(f"eval_episodes must be >= 0 (0: no test evaluation), got {self.eval_episodes}")
         if self.group_size < 2:

@@ -141,12 +141,12 @@ def train_step(state: TrainState, step: int) -> dict[str, Any]:
 
 def _rollout_groups(state: TrainState, rng: np.random.Generator) -> list[Trajectory]:
     cfg = state.config
-    task_seeds = [int(s) for s in rng.integers(0, 2**31 - 1, cfg.tasks_per_step)]
+    task_seeds = _draw_tasks(cfg, rng, cfg.tasks_per_step)
     trajectories = _play(state, task_seeds, group_offset=0)
     if cfg.zero_std == "resample":
         flat = [i for i in range(cfg.tasks_per_step) if len({t.reward for t in trajectories[i * cfg.group_size : (i + 1) * cfg.group_size]}) == 1]
         if flat:  # one more draw for the groups that taught nothing
-            fresh = [int(s) for s in rng.integers(0, 2**31 - 1, len(flat))]
+            fresh = _draw_tasks(cfg, rng, len(flat))
             redo = _play(state, fresh, group_offset=0)
             for slot, i in enumerate(flat):
                 group = redo[slot * cfg.group_size : (slot + 1) * cfg.group_size]
@@ -154,6 +154,13 @@ def _rollout_groups(state: TrainState, rng: np.random.Generator) -> list[Traject
                     t.group = i
                 trajectories[i * cfg.group_size : (i + 1) * cfg.group_size] = group
     return trajectories
+
+
+def _draw_tasks(cfg: TrainConfig, rng: np.random.Generator, n: int) -> list[int]:
+    """Env seeds of `n` tasks: anywhere in the train split, or from the first `task_pool` seeds."""
+    if cfg.task_pool:
+        return [int(s) for s in rng.integers(0, cfg.task_pool, n)]
+    return [int(s) for s in rng.integers(0, 2**31 - 1, n)]
 
 
 def _play(state: TrainState, task_seeds: list[int], group_offset: int) -> list[Trajectory]:

@@ -34,6 +34,7 @@ class QuickstartPlan:
     temperature: float = 0.8
     eval_episodes: int = 100
     critique: str = "step"
+    copy_steps: int | None = None  # copy-drill steps for the tiny model (None: the pipeline's default)
     seed: int = 0
 
 
@@ -61,7 +62,7 @@ def run(out: Path, plan: QuickstartPlan = QuickstartPlan(), *, console: Console 
         console.print(f"[green]done[/green] {name} in {timings[name]:.0f}s (total {time.perf_counter() - started:.0f}s)")
 
     console.rule("1/4 build the embedded tiny model")
-    tiny = build_embedded_model(out / "tiny", seed=plan.seed)
+    tiny = build_embedded_model(out / "tiny", seed=plan.seed, copy_steps=plan.copy_steps)
     phase("tiny")
 
     console.rule("2/4 SFT warm start on scripted demonstrations")

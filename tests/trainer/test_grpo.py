@@ -118,3 +118,17 @@ def test_micro_batch_split_does_not_change_the_update(tiny_model: Path, tmp_path
 def test_config_is_validated_at_parse_time(tmp_path: Path, field: str, value) -> None:
     with pytest.raises(ValueError):
         _config(tmp_path, tmp_path, **{field: value})
+
+
+def test_task_pool_draws_from_the_first_seeds_only(tiny_model: Path, tmp_path: Path) -> None:
+    from trainer.grpo import _draw_tasks
+
+    pooled = _config(tiny_model, tmp_path, task_pool=3)
+    seeds = _draw_tasks(pooled, np.random.default_rng(0), 200)
+    assert set(seeds) == {0, 1, 2}
+    assert seeds == _draw_tasks(pooled, np.random.default_rng(0), 200)
+    assert len(set(_draw_tasks(_config(tiny_model, tmp_path), np.random.default_rng(0), 200))) == 200
+    with pytest.raises(ValueError, match="task_pool"):
+        _config(tiny_model, tmp_path, task_pool=-1)
+    with pytest.raises(ValueError, match="eval_episodes"):
+        _config(tiny_model, tmp_path, eval_episodes=-1)
