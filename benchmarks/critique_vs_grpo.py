@@ -3,7 +3,8 @@
 Usage:
     python -m benchmarks.critique_vs_grpo --model quickstart/sft --difficulty hard \\
         --budget 180 --seeds 0 1 2 --json runs/critique_vs_grpo.json --plot runs/critique_vs_grpo.png
-    (--ablations adds indicative / ground-truth critiques and step critiques without shaping)
+    (--ablations adds indicative / ground-truth critiques and step critiques without shaping;
+     --task-pool N trains on a fixed pool of N train tasks and also reports greedy success on it)
 
 Each run trains for `--budget` seconds of training time and evaluates on the test split at
 regular steps; the plot shows test success against training time, the table mean and spread.
@@ -36,6 +37,9 @@ class Setting:
     group_size: int
     tasks_per_step: int
     out: Path
+    task_pool: int = 0
+    learning_rate: float = 2e-4
+    temperature: float = 1.0
 
 
 def run_arm(name: str, overrides: dict[str, Any], seed: int, setting: Setting) -> dict[str, Any]:
@@ -46,9 +50,13 @@ def run_arm(name: str, overrides: dict[str, Any], seed: int, setting: Setting) -
     config = TrainConfig(
         env_id="cgym/ApiReport-v0", env_kwargs={"difficulty": setting.difficulty}, model=setting.model, out=str(out),
         steps=10_000, time_budget_s=setting.budget_s, eval_every=setting.eval_every, eval_episodes=setting.eval_episodes,
-        group_size=setting.group_size, tasks_per_step=setting.tasks_per_step, seed=seed, progress=False, **overrides,
+        group_size=setting.group_size, tasks_per_step=setting.tasks_per_step, task_pool=setting.task_pool,
+        learning_rate=setting.learning_rate, temperature=setting.temperature, seed=seed, progress=False, **overrides,
     )  # fmt: skip
     result = train(config)
+    pool = {}
+    if setting.task_pool:
+        pool = {"pool_before": pool_success(setting.model, setting), "pool_after": pool_success(result["final"], setting)}
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     elapsed, curve = 0.0, []
     for row in rows:
@@ -65,14 +73,30 @@ def run_arm(name: str, overrides: dict[str, Any], seed: int, setting: Setting) -
         "curve": curve,
         "refine_trigger_rate": statistics.mean(r["refine/trigger_rate"] for r in refine) if refine else None,
         "refine_success_rate": statistics.mean(r["refine/success_rate"] for r in refine if r["refine/attempts"]) if any(r["refine/attempts"] for r in refine) else None,
+        "rescued_groups": sum(r.get("refine/rescued_groups", 0) for r in refine),
+        **pool,
     }
+
+
+def pool_success(model: str, setting: Setting) -> float:
+    """Greedy success on the training pool's tasks (train split, seeds 0..task_pool-1)."""
+    from agents.evaluate import EvalConfig, evaluate
+    from agents.hf import HFPolicy
+
+    policy = HFPolicy.from_pretrained(model, temperature=0.0, max_new_tokens=96, seed=0)
+    config = EvalConfig("cgym/ApiReport-v0", {"difficulty": setting.difficulty, "split": "train"}, episodes=setting.task_pool, seed=0, batch_size=64)
+    return evaluate(policy, config)[0]["success_rate"]
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     table: dict[str, Any] = {}
     for arm in dict.fromkeys(r["arm"] for r in runs):
         finals = [r["after"] for r in runs if r["arm"] == arm]
-        table[arm] = {"final_mean": statistics.mean(finals), "final_std": statistics.pstdev(finals), "finals": finals}
+        mine = [r for r in runs if r["arm"] == arm]
+        table[arm] = {"final_mean": statistics.mean(finals), "final_std": statistics.pstdev(finals), "finals": finals, "before": [r["before"] for r in mine]}
+        if all("pool_after" in r for r in mine):
+            pool = [r["pool_after"] for r in mine]
+            table[arm].update(pool_mean=statistics.mean(pool), pool_std=statistics.pstdev(pool), pool_finals=pool, pool_before=[r["pool_before"] for r in mine])
     return table
 
 
@@ -109,6 +133,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--eval-episodes", type=int, default=50)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--tasks-per-step", type=int, default=4)
+    parser.add_argument("--task-pool", type=int, default=0, help="train on a fixed pool of N train tasks (0: the whole split)")
+    parser.add_argument("--lr", type=float, default=2e-4)
+    parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--ablations", action="store_true", help="also run the ablation arms (first seed only)")
     parser.add_argument("--out", type=Path, default=Path("runs/critique_vs_grpo"))
     parser.add_argument("--json", type=Path, default=Path("runs/critique_vs_grpo.json"))
@@ -116,7 +143,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     import envs  # noqa: F401
 
-    setting = Setting(args.model, args.difficulty, args.budget, args.eval_every, args.eval_episodes, args.group_size, args.tasks_per_step, args.out)
+    setting = Setting(
+        args.model, args.difficulty, args.budget, args.eval_every, args.eval_episodes, args.group_size, args.tasks_per_step, args.out,
+        task_pool=args.task_pool, learning_rate=args.lr, temperature=args.temperature,
+    )  # fmt: skip
     runs = [run_arm(name, overrides, seed, setting) for seed in args.seeds for name, overrides in ARMS.items()]
     if args.ablations:
         runs += [run_arm(name, overrides, args.seeds[0], setting) for name, overrides in ABLATIONS.items()]

@@ -1,0 +1,27 @@
+"""The Critique-GRPO benchmark's bookkeeping: the table (mean, spread, pool figures) and the plot."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from benchmarks.critique_vs_grpo import plot, summarize
+
+RUNS = [
+    {"arm": "grpo", "seed": 0, "before": 0.2, "after": 0.3, "curve": [(0.0, 0.2), (10.0, 0.3)], "pool_before": 0.1, "pool_after": 0.5},
+    {"arm": "grpo", "seed": 1, "before": 0.2, "after": 0.5, "curve": [(0.0, 0.2), (12.0, 0.5)], "pool_before": 0.1, "pool_after": 0.7},
+    {"arm": "critique_grpo_step", "seed": 0, "before": 0.2, "after": 0.6, "curve": [(0.0, 0.2), (9.0, 0.6)]},
+]
+
+
+def test_summary_gives_mean_spread_and_pool_figures_where_every_run_has_them() -> None:
+    table = summarize(RUNS)
+    assert table["grpo"]["final_mean"] == pytest.approx(0.4) and table["grpo"]["final_std"] == pytest.approx(0.1)
+    assert table["grpo"]["pool_mean"] == pytest.approx(0.6) and table["grpo"]["pool_before"] == [0.1, 0.1]
+    assert table["critique_grpo_step"]["finals"] == [0.6] and "pool_mean" not in table["critique_grpo_step"]
+
+
+def test_plot_writes_a_png(tmp_path: Path) -> None:
+    plot(RUNS, tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 1000
