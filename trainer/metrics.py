@@ -104,6 +104,12 @@ class MetricsLog:
         return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
 
 
+def rolling_mean(values: Sequence[float], window: int) -> list[float]:
+    """Mean of the last `window` values at each position (fewer at the start)."""
+    sums = np.cumsum(np.concatenate([[0.0], np.asarray(values, dtype=float)]))
+    return [float((sums[i + 1] - sums[max(0, i + 1 - window)]) / min(i + 1, window)) for i in range(len(values))]
+
+
 def plot_curve(rows: Sequence[dict[str, Any]], path: Path, *, title: str = "training") -> Path:
     """Train reward/success per step, and test success at each evaluation, as one PNG."""
     import matplotlib
@@ -111,22 +117,26 @@ def plot_curve(rows: Sequence[dict[str, Any]], path: Path, *, title: str = "trai
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = [r["step"] for r in rows if "reward_mean" in r]
+    train = [r for r in rows if "reward_mean" in r]
+    steps = [r["step"] for r in train]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
-    left.plot(steps, [r["reward_mean"] for r in rows if "reward_mean" in r], label="train reward (mean)")
+    for ax, key, label in ((left, "reward_mean", "train reward (mean)"), (right, "success_rate", "train success")):
+        values = [r[key] for r in train]
+        ax.plot(steps, values, color="C0", alpha=0.3, label=label)
+        if len(values) >= 10:
+            ax.plot(steps, rolling_mean(values, 10), color="C0", label=f"{label}, mean of 10 steps")
     left.set_xlabel("step")
     left.set_ylabel("reward")
     left.grid(alpha=0.3)
-    left.legend(loc="lower right")
-    right.plot(steps, [r["success_rate"] for r in rows if "reward_mean" in r], label="train success", alpha=0.6)
+    left.legend(loc="upper left", fontsize=8)
     evals = [r for r in rows if "eval/success_rate" in r]
     if evals:
-        right.plot([r["step"] for r in evals], [r["eval/success_rate"] for r in evals], "o-", label="test success")
+        right.plot([r["step"] for r in evals], [r["eval/success_rate"] for r in evals], "o-", color="C1", label="test success (greedy)")
     right.set_ylim(-0.02, 1.02)
     right.set_xlabel("step")
     right.set_ylabel("success rate")
     right.grid(alpha=0.3)
-    right.legend(loc="lower right")
+    right.legend(loc="upper left", fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -41,3 +41,10 @@ def test_monitor_warns_after_patience_only_when_failures_are_paid_like_successes
     with pytest.warns(UserWarning, match="reward hacking"):
         assert "scored as high as a success" in monitor.update(*shares)
     assert monitor.update(top_quartile_failed(GATED), 0.0) is None  # the streak resets
+
+
+def test_rolling_mean_averages_what_it_has() -> None:
+    from trainer.metrics import rolling_mean
+
+    assert rolling_mean([1.0, 2.0, 3.0, 4.0], 2) == [1.0, 1.5, 2.5, 3.5]
+    assert rolling_mean([5.0], 10) == [5.0] and rolling_mean([], 3) == []
