@@ -10,18 +10,12 @@ from __future__ import annotations
 from typing import Any
 
 from agents.evaluate import EvalConfig, evaluate
-from agents.scripted import ScriptedPolicy, family_of
-from envs.registration import make
+from agents.scripted import ScriptedPolicy, family_of_env
 
 
 def audit(env_id: str, env_kwargs: dict[str, Any], *, episodes: int = 50, seed: int = 0) -> dict[str, Any]:
     """Run the oracle and every exploit on the same seeds; `passed` is the verdict."""
-    probe = make(env_id, **env_kwargs)
-    _, info = probe.reset(seed=seed)
-    probe.close()
-    family = family_of(info["tools"])
-    if family is None:
-        raise ValueError(f"{env_id} has no scripted exploit agents to audit with")
+    family = family_of_env(env_id, env_kwargs, seed=seed, purpose="audit")
     config = EvalConfig(env_id, env_kwargs, episodes=episodes, seed=seed)
     honest, honest_results = evaluate(ScriptedPolicy("oracle"), config)
     report: dict[str, Any] = {"env": env_id, "env_kwargs": env_kwargs, "episodes": episodes, "oracle": _brief(honest), "exploits": {}}

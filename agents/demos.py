@@ -11,7 +11,7 @@ import numpy as np
 from agents.base import Conversation
 from agents.critics import refinement_conversation
 from agents.episodes import run_episodes
-from agents.scripted import Family, ScriptedPolicy, family_of
+from agents.scripted import ScriptedPolicy, family_of_env
 from envs.critique import CritiqueStyle
 from envs.registration import make
 
@@ -31,7 +31,7 @@ def demonstrations(
     The flawed share keeps the warm-started model good but not perfect, leaving room for RL.
     """
     kwargs = {**env_kwargs, "split": "train"}
-    family = _family(env_id, kwargs, seed)
+    family = family_of_env(env_id, kwargs, seed=seed, purpose="demonstrate")
     flawed = sorted(family.near_misses or family.flaw_codes)
     rng = np.random.default_rng(seed)
     agents = ["oracle" if rng.random() >= imperfect else flawed[int(rng.integers(len(flawed)))] for _ in range(episodes)]
@@ -60,7 +60,7 @@ def refinement_demos(
     Mixing these into SFT gives it that skill, so refinements of its own failures can succeed.
     """
     kwargs = {**env_kwargs, "split": "train"}
-    family = _family(env_id, kwargs, seed)
+    family = family_of_env(env_id, kwargs, seed=seed, purpose="demonstrate")
     rng = np.random.default_rng(seed)
     seeds = [seed * 1_000_000 + 500_000 + i for i in range(episodes)]
     flaws = [family.near_misses[int(rng.integers(len(family.near_misses)))] for _ in seeds]
@@ -77,16 +77,6 @@ def refinement_demos(
             demos.append((prompt.messages + oracle.messages[2:], oracle.tools))
     order = rng.permutation(len(demos))
     return [demos[i] for i in order]
-
-
-def _family(env_id: str, kwargs: dict[str, Any], seed: int) -> Family:
-    probe = make(env_id, **kwargs)
-    _, info = probe.reset(seed=seed)
-    probe.close()
-    family = family_of(info["tools"])
-    if family is None:
-        raise ValueError(f"{env_id} has no scripted agents to demonstrate with")
-    return family
 
 
 def corpus(demos: Sequence[Demo]) -> Iterator[str]:

@@ -47,6 +47,19 @@ def family_of(tools: Sequence[dict]) -> Family | None:
     return next((f for f in FAMILIES if f.marker_tool in names), None)
 
 
+def family_of_env(env_id: str, env_kwargs: dict, *, seed: int = 0, purpose: str = "script") -> Family:
+    """The scripted family of an env, found from the tools its first episode offers."""
+    from envs.registration import make
+
+    probe = make(env_id, **env_kwargs)
+    _, info = probe.reset(seed=seed)
+    probe.close()
+    family = family_of(info["tools"])
+    if family is None:
+        raise ValueError(f"{env_id} has no scripted agents to {purpose} with")
+    return family
+
+
 class ScriptedPolicy:
     """A scripted agent behind the `Policy` protocol."""
 

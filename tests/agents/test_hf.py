@@ -44,15 +44,6 @@ def chat_corpus(n: int = 300, seed: int = 0) -> list[str]:
     ]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    """Tiny tensors: one intra-op thread is as fast, and does not thrash on a busy 2-core box."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny(tmp_path_factory.mktemp("tiny"), chat_corpus(), **SIZES)

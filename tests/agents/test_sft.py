@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -47,15 +46,6 @@ def demo(customer: int) -> tuple[list[dict], list[dict]]:
 
 
 DEMOS = [demo(c) for c in (3, 12, 25, 40, 57, 61, 78, 90)]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    """Tiny tensors: one intra-op thread is as fast, and does not thrash on a busy 2-core box."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -63,15 +62,6 @@ def chat_corpus(n: int = 400, seed: int = 0) -> list[str]:
             f'{{"answer": {rng.randint(0, 999)}, "note": "{" ".join(rng.choices(words, k=4))}"}}'
         )
     return texts
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    """Tiny tensors: one intra-op thread is as fast, and does not thrash on a busy 2-core box."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
