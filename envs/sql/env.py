@@ -20,7 +20,7 @@ from envs.rubric import Rubric
 from envs.sql.checks import default_rubric, judge
 from envs.sql.lexer import extract_query
 from envs.sql.match import render_row
-from envs.sql.sandbox import DEFAULT_TIME_BUDGET_S, Sandbox, SqlError
+from envs.sql.sandbox import DEFAULT_TIME_BUDGET_S, Sandbox
 from envs.sql.schemas import SCHEMAS, SchemaName
 from envs.sql.tasks import SPLITS, Split, SqlTask, sample_task, task_pool
 from envs.sql.templates import DIFFICULTIES, Difficulty
@@ -135,10 +135,7 @@ class SqlQueryEnv(AgentEnv):
         Args:
             query: One SQLite SELECT statement.
         """
-        try:
-            result = self._sandbox().run(query, max_rows=SHOWN_ROWS)
-        except SqlError as exc:
-            raise ToolError(exc.code, exc.message, expected=exc.expected, got=exc.got) from None
+        result = self._sandbox().run(query, max_rows=SHOWN_ROWS)  # a SqlError is a ToolError: it becomes the critique
         count = f"(first {SHOWN_ROWS} rows shown; there are more)" if result.truncated else f"({len(result.rows)} rows)"
         return f"{_table(list(result.columns), result.rows)}\n{count}"
 

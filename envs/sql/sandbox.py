@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from envs.sql.lexer import leading_keyword, split_statements, tokenize
+from envs.tools import ToolError
 
 DEFAULT_TIME_BUDGET_S = 1.0
 MAX_VALUE_BYTES = 100_000  # longest string/blob SQLite may build
@@ -49,15 +50,9 @@ _OTHER_STARTS = frozenset({"ALTER", "ANALYZE", "ATTACH", "BEGIN", "COMMIT", "CRE
                            "UPDATE", "VACUUM"})
 
 
-class SqlError(Exception):
-    """A query that was refused, failed or stopped; `code` is a stable critique code."""
-
-    def __init__(self, code: str, message: str, *, expected: Any = None, got: Any = None) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.expected = expected
-        self.got = got
+class SqlError(ToolError):
+    """A query that was refused, failed or stopped; `code` is a stable critique code. Raised from
+    a tool, it becomes that step's critique like any `ToolError`."""
 
 
 @dataclass(frozen=True)
