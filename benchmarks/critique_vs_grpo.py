@@ -100,7 +100,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return table
 
 
-def plot(runs: list[dict[str, Any]], path: Path) -> None:
+def plot(runs: list[dict[str, Any]], path: Path, *, title: str = "GRPO vs Critique-GRPO") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -114,9 +114,11 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
         ax.plot(xs, ys, "o-", color=color, alpha=0.7, label=run["arm"] if run["seed"] == runs[0]["seed"] else None)
     ax.set_xlabel("training time (s)")
     ax.set_ylabel("test success rate")
-    ax.set_ylim(-0.02, 1.02)
+    top = max((y for run in runs for _, y in run["curve"]), default=1.0)
+    ax.set_ylim(0.0, min(1.02, top + 0.15))
+    ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=8, title="one line per seed", title_fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -153,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
     result = {"setting": {k: str(v) for k, v in vars(setting).items()}, "table": summarize(runs), "runs": runs}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2))
-    plot(runs, args.plot)
+    plot(runs, args.plot, title=f"ApiReport {args.difficulty}: {args.budget:.0f} s of training per run, {args.eval_episodes} test episodes")
     print(json.dumps(result["table"], indent=2))
 
 
