@@ -12,7 +12,8 @@ from trainer.quickstart import QuickstartPlan, run
 
 def test_quickstart_writes_the_reports_and_the_figures(tmp_path: Path) -> None:
     plan = QuickstartPlan(sft_demos=24, sft_seconds=5.0, train_seconds=5.0, train_steps=1, group_size=2, tasks_per_step=2, eval_episodes=4, copy_steps=2)
-    summary = run(tmp_path, plan, console=Console(quiet=True))
+    console = Console(record=True, width=200)
+    summary = run(tmp_path, plan, console=console)
     for name in ("report.md", "report.html", "compare.json", "compare.png", "quickstart.json", "grpo/curve.png", "grpo/final/config.json"):
         assert (tmp_path / name).is_file(), name
     compare = json.loads((tmp_path / "compare.json").read_text())
@@ -20,3 +21,7 @@ def test_quickstart_writes_the_reports_and_the_figures(tmp_path: Path) -> None:
     assert 0.0 <= summary["before_success"] <= 1.0 and 0.0 <= summary["after_success"] <= 1.0
     assert set(summary["timings_s"]) == {"tiny", "sft", "train", "compare", "total"}
     assert json.loads((tmp_path / "quickstart.json").read_text()) == summary
+    printed = console.export_text()
+    assert "report.html" in printed
+    # a 5-second warm start on 24 demos solves nothing: the plateau hint must show
+    assert summary["before_success"] < 0.05 and "Try another --seed" in printed
