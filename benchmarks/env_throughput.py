@@ -16,6 +16,7 @@ from typing import Any
 
 from agents.base import Conversation
 from agents.scripted import ScriptedPolicy
+from benchmarks.output import emit
 from envs.registration import make
 
 
@@ -100,10 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     import envs  # noqa: F401 - registers the built-in envs
 
     result = run(args.env, json.loads(args.env_kwargs), episodes=args.episodes)
-    print(json.dumps(result, indent=2))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2))
+    emit(result, args.json)
 
 
 if __name__ == "__main__":

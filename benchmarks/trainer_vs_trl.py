@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
-import json
 import os
 import statistics
 import tempfile
@@ -39,6 +38,7 @@ import gymnasium as gym
 import numpy as np
 import torch
 
+from benchmarks.output import emit
 from envs.registration import make
 from trainer.losses import LossType, check_loss_type
 from trainer.pipeline import TINY_SIZES
@@ -308,10 +308,7 @@ def main(argv: list[str] | None = None) -> None:
         steps=args.steps, model=args.model, group_size=args.group_size, tasks_per_step=args.tasks_per_step,
         max_new_tokens=args.max_new_tokens, loss_type=args.loss_type, threads=args.threads,
     )  # fmt: skip
-    print(json.dumps(result, indent=2))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2))
+    emit(result, args.json)
 
 
 if __name__ == "__main__":
