@@ -45,3 +45,23 @@ def test_refinement_demos_fix_the_critiqued_attempt_and_solve_the_task(difficult
         task = messages[1]["content"].split("\n\n" + REFINE_INSTRUCTION)[0]
         solved = oracle[task]
         assert solved.success and messages[2:] == solved.conversation.messages[2:]
+
+
+def test_cli_sft_mixes_in_refinement_demos(monkeypatch, tmp_path) -> None:
+    import agents.sft
+    from trainer.cli import main
+
+    seen: list = []
+
+    def fake_sft(model, demos, out, **kwargs):
+        seen.extend(demos)
+        return {"steps": 0}
+
+    monkeypatch.setattr(agents.sft, "sft", fake_sft)
+    args = ["sft", "--env", ENV, "--env-kwargs", '{"difficulty": "easy"}', "--model", "m", "--out", str(tmp_path), "--episodes", "4"]
+    assert main([*args, "--refinements", "12"]) == 0
+    refinements = [messages for messages, _ in seen if REFINE_INSTRUCTION in messages[1]["content"]]
+    assert len(seen) - len(refinements) == 4 and 4 <= len(refinements) <= 12
+    seen.clear()
+    assert main(args) == 0
+    assert len(seen) == 4 and not any(REFINE_INSTRUCTION in messages[1]["content"] for messages, _ in seen)
