@@ -164,4 +164,6 @@ class ApiReportEnv(AgentEnv):
 
     def _log(self, call: ApiCall, reply: dict[str, Any]) -> str:
         self.calls.append(call)
-        return json.dumps(reply, separators=(",", ":"))
+        # The separators of the report the model writes (and of envs/tools.py): `"city": "Ghent"`
+        # then tokenizes alike in the result and in the answer, so the key leads to the value.
+        return json.dumps(reply, separators=(", ", ": "))
