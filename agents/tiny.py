@@ -250,3 +250,53 @@ def copy_drills(
         run = rng.choices(digits if rng.random() < digit_share else pool, k=rng.randint(min_len, max_len))
         drills.append((run + [sep] + run, [0] * (len(run) + 1) + [1] * len(run)))
     return drills
+
+
+def lookup_drills(
+    tokenizer: PreTrainedTokenizerFast,
+    count: int,
+    *,
+    keys: tuple[int, int] = (3, 7),
+    value_len: tuple[int, int] = (1, 3),
+    asked: tuple[int, int] = (1, 3),
+    seed: int = 0,
+) -> list[tuple[list[int], list[int]]]:
+    """Synthetic look-up drills `(ids, loss mask)`: a JSON object of random keys and values, then
+    `<|im_start|>` and an object repeating a few of its keys, in another order, with their values;
+    the loss is on that answer.
+
+    Plain copy drills teach "repeat what followed this token". A report needs more: after
+    `"city": "` the value to copy follows the same key in the tool result, and the token right
+    before it (` "`) precedes every string value there. A model that only copies by the previous
+    token falls back to its prior for every single-token value (it wrote the same city for every
+    customer). These drills make the key the only way to the right value.
+    """
+    for name, (low, high) in {"keys": keys, "value_len": value_len, "asked": asked}.items():
+        if not 1 <= low <= high:
+            raise ValueError(f"{name} must be (low, high) with 1 <= low <= high, got {(low, high)}")
+    vocab = tokenizer.get_vocab()
+    key_pool = sorted(i for t, i in vocab.items() if t.isalpha() and len(t) >= 3)
+    value_pool = sorted(i for t, i in vocab.items() if t.lstrip("Ġ").isalnum())
+    if len(key_pool) < keys[1]:
+        raise ValueError(f"the tokenizer has {len(key_pool)} word tokens, fewer than {keys[1]} keys")
+
+    def encode(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    opening, colon, comma, closing = encode('{"'), encode('": "'), encode('", "'), encode('"}')
+    sep = tokenizer.convert_tokens_to_ids(IM_START)
+    rng = random.Random(seed)
+
+    def render(pairs: list[tuple[int, list[int]]]) -> list[int]:
+        ids = list(opening)
+        for n, (key, value) in enumerate(pairs):
+            ids += [key, *colon, *value, *(comma if n < len(pairs) - 1 else closing)]
+        return ids
+
+    drills = []
+    for _ in range(count):
+        record = [(key, rng.choices(value_pool, k=rng.randint(*value_len))) for key in rng.sample(key_pool, rng.randint(*keys))]
+        answer = render(rng.sample(record, min(len(record), rng.randint(*asked))))
+        context = render(record)
+        drills.append((context + [sep] + answer, [0] * (len(context) + 1) + [1] * len(answer)))
+    return drills

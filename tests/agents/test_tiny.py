@@ -11,7 +11,7 @@ import torch
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from agents.tiny import SPECIAL_TOKENS, TOOL_TOKENS, build_tiny, copy_drills
+from agents.tiny import SPECIAL_TOKENS, TOOL_TOKENS, build_tiny, copy_drills, lookup_drills
 
 SIZES = dict(
     vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, max_positions=1024
@@ -196,3 +196,43 @@ def test_copy_drills_reject_bad_lengths(tokenizer) -> None:
         copy_drills(tokenizer, 1, min_len=5, max_len=4)
     with pytest.raises(ValueError, match="digit_share"):
         copy_drills(tokenizer, 1, digit_share=1.5)
+
+
+def _pairs(ids: list[int], tokenizer) -> dict[int, tuple[int, ...]]:
+    """Read `{"k": "v", ...}` back at the token level (values may be byte tokens that decode to
+    control characters, so not through json)."""
+    def encode(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    opening, colon, comma, closing = encode('{"'), encode('": "'), encode('", "'), encode('"}')
+    assert ids[: len(opening)] == opening and ids[-len(closing) :] == closing
+    body, pairs, i = ids[len(opening) : -len(closing)], {}, 0
+    while i < len(body):
+        key, i = body[i], i + 1
+        assert body[i : i + len(colon)] == colon
+        i += len(colon)
+        end = next((j for j in range(i, len(body)) if body[j : j + len(comma)] == comma), len(body))
+        pairs[key], i = tuple(body[i:end]), end + len(comma)
+    return pairs
+
+
+def test_lookup_drills_ask_for_keys_of_the_record_and_put_the_loss_on_the_answer(tokenizer) -> None:
+    drills = lookup_drills(tokenizer, 40, keys=(3, 6), asked=(2, 3), seed=2)
+    assert drills == lookup_drills(tokenizer, 40, keys=(3, 6), asked=(2, 3), seed=2)
+    sep = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    reordered = 0
+    for ids, mask in drills:
+        cut = ids.index(sep)
+        assert mask == [0] * (cut + 1) + [1] * (len(ids) - cut - 1)
+        record, answer = _pairs(ids[:cut], tokenizer), _pairs(ids[cut + 1 :], tokenizer)
+        assert 3 <= len(record) <= 6 and 2 <= len(answer) <= 3
+        assert all(record[key] == value and value for key, value in answer.items())
+        reordered += list(answer) != [key for key in record if key in answer]
+    assert reordered >= 5  # the answer does not follow the record's order: only the key leads there
+
+
+def test_lookup_drills_reject_bad_ranges(tokenizer) -> None:
+    with pytest.raises(ValueError, match="asked"):
+        lookup_drills(tokenizer, 1, asked=(0, 2))
+    with pytest.raises(ValueError, match="keys"):
+        lookup_drills(tokenizer, 1, keys=(4, 3))
