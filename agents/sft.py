@@ -227,6 +227,7 @@ def _train(
             loss_tokens += int(loss_mask[:, 1:].sum())
             bar.update(task, advance=1, loss=losses[-1])
             if time_budget_s is not None and time.perf_counter() - start > time_budget_s:
+                bar.update(task, total=step + 1)  # the time budget, not the step count, ended the run
                 break
     model.eval()
     tail = losses[-max(1, len(losses) // 10) :]

@@ -30,7 +30,8 @@ class QuickstartPlan:
 
     difficulty: str = "easy"
     sft_demos: int = 3000
-    sft_seconds: float = 240.0
+    sft_seconds: float = 210.0
+    sft_epochs: float = 8.0  # an upper bound: the time budget ends the run first
     sft_lr: float = 3e-3
     train_seconds: float = 180.0
     train_steps: int = 60
@@ -74,7 +75,7 @@ def run(out: Path, plan: QuickstartPlan = QuickstartPlan(), *, console: Console 
     console.rule("2/4 SFT warm start on scripted demonstrations")
     env_kwargs = {"difficulty": plan.difficulty}
     demos = demonstrations(ENV_ID, env_kwargs, episodes=plan.sft_demos, seed=plan.seed + 1)
-    sft(tiny, demos, out / "sft", lr=plan.sft_lr, epochs=2.0, time_budget_s=plan.sft_seconds, seed=plan.seed)
+    sft(tiny, demos, out / "sft", lr=plan.sft_lr, epochs=plan.sft_epochs, time_budget_s=plan.sft_seconds, seed=plan.seed)
     phase("sft")
 
     console.rule("3/4 GRPO + Critique-GRPO on the train split")
