@@ -89,7 +89,7 @@ def fit(
     progress: bool = True,
     label: str = "sft",
 ) -> dict[str, float]:
-    """Train on ready `(ids, loss mask)` examples (SFT's engine; also `cgym tiny`'s copy drills)
+    """Train on ready `(ids, loss mask)` examples (SFT's engine; also `cgym tiny`'s drills)
     and save model + tokenizer to `out_dir`. Options and returned stats as in `sft`."""
     if epochs <= 0 or batch_size < 1 or not examples:
         raise ValueError(
