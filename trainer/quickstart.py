@@ -30,11 +30,13 @@ class QuickstartPlan:
 
     difficulty: str = "easy"
     sft_demos: int = 3000
-    sft_seconds: float = 210.0
-    sft_epochs: float = 8.0  # an upper bound: the time budget ends the run first
+    # Step counts set the work, so a run is reproducible on one machine; the seconds are caps
+    # for slower machines (a cap that ends a phase makes the result depend on the machine's speed).
+    sft_epochs: float = 3.5  # ~1,300 steps of 8 demos, ~210 s on 2 cores
+    sft_seconds: float = 300.0
     sft_lr: float = 3e-3
-    train_seconds: float = 180.0
-    train_steps: int = 60
+    train_steps: int = 45  # ~130-180 s on 2 cores, depending on how many groups are refined
+    train_seconds: float = 240.0
     group_size: int = 8
     tasks_per_step: int = 4
     learning_rate: float = 2e-4
