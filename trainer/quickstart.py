@@ -20,7 +20,7 @@ PLATEAU_SUCCESS = 0.05
 PLATEAU_HINT = (
     "the warm start solved almost no test task: SFT likely stayed on the plateau before the tiny model "
     "learns to copy values from the context (seed-dependent; see the README's quickstart figures). "
-    "Try another --seed; with seed 0 the pipeline reaches ~47% before GRPO."
+    "Try another --seed; with seed 0 the pipeline reaches ~44% before GRPO."
 )
 
 
@@ -43,7 +43,7 @@ class QuickstartPlan:
     temperature: float = 0.8
     eval_episodes: int = 100
     critique: str = "step"
-    copy_steps: int | None = None  # copy-drill steps for the tiny model (None: the pipeline's default)
+    copy_steps: int | None = None  # copy + look-up drill steps for the tiny model (None: the pipeline's default)
     seed: int = 0
 
 
