@@ -42,6 +42,18 @@ def test_oracle_solves_200_test_episodes(difficulty: str, faults: float | None) 
     assert all(r.critiques == [] for r in results)
 
 
+def test_tool_results_use_the_reports_json_separators() -> None:
+    """A value's key reads the same in the tool result and in the report (`"city": "Ghent"`)."""
+    result = play("oracle", range(1), difficulty="easy", split="test")[0]
+    tool, answer = result.conversation.messages[3]["content"], result.conversation.messages[4]["content"]
+    report = extract_report(answer).data
+    strings = [field for field in ("email", "city", "tier", "signup_date") if field in report]
+    assert len(strings) == 2  # every easy task asks for two string fields
+    for field in strings:
+        assert f'"{field}": "{report[field]}"' in tool and f'"{field}": "{report[field]}"' in answer
+    assert json.dumps(json.loads(tool)) == tool
+
+
 def test_faults_actually_happen_and_are_retried() -> None:
     results = play("oracle", range(50), difficulty="hard", split="test", faults=0.2)
     tool_replies = [m["content"] for r in results for m in r.conversation.messages if m["role"] == "tool"]

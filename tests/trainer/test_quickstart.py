@@ -25,3 +25,18 @@ def test_quickstart_writes_the_reports_and_the_figures(tmp_path: Path) -> None:
     assert "report.html" in printed
     # a 5-second warm start on 24 demos solves nothing: the plateau hint must show
     assert summary["before_success"] < 0.05 and "Try another --seed" in printed
+
+
+def test_embedded_model_drills_mix_copies_and_look_ups(monkeypatch, tmp_path: Path) -> None:
+    import trainer.pipeline as pipeline
+    from transformers import AutoTokenizer
+
+    seen: list = []
+    monkeypatch.setattr(pipeline, "fit", lambda model, drills, out, **kwargs: seen.extend(drills))
+    pipeline.build_embedded_model(tmp_path / "tiny", copy_steps=2, progress=False)
+    opening = AutoTokenizer.from_pretrained(tmp_path / "tiny")('{"', add_special_tokens=False)["input_ids"]
+    copies = [ids for ids, _ in seen if ids[: (len(ids) - 1) // 2] == ids[(len(ids) + 1) // 2 :]]
+    look_ups = [ids for ids, _ in seen if ids[: len(opening)] == opening and ids not in copies]
+    lookup_share = pipeline.COPY_PRETRAIN["lookup_share"]
+    assert len(seen) == 2 * pipeline.COPY_PRETRAIN["batch_size"]
+    assert len(look_ups) == round(len(seen) * lookup_share) and len(copies) == len(seen) - len(look_ups)
