@@ -6,6 +6,14 @@ Usage:
     (--ablations adds indicative / ground-truth critiques and step critiques without shaping;
      --task-pool N trains on a fixed pool of N train tasks and also reports greedy success on it)
 
+    A settings sweep instead of the two arms: repeat --arm NAME=JSON (TrainConfig overrides), and
+    --headroom K to measure pass@K at the training temperature of the starting model and of every
+    run's final model, and how many test tasks K samples never, sometimes or always solve (what GRPO
+    can sharpen towards without learning anything new, and whether training kept it):
+    python -m benchmarks.critique_vs_grpo --model quickstart/sft --difficulty easy --budget 110 \
+        --seeds 0 --temperature 0.8 --eval-every 10 --eval-episodes 100 --headroom 8 \
+        --arm 'grpo={"critique": "none"}' --arm 'lr_1e-3={"critique": "none", "learning_rate": 1e-3}'
+
 Each run trains for `--budget` seconds of training time and evaluates on the test split at
 regular steps; the plot shows test success against training time, the table mean and spread.
 """
@@ -42,21 +50,24 @@ class Setting:
     temperature: float = 1.0
 
 
-def run_arm(name: str, overrides: dict[str, Any], seed: int, setting: Setting) -> dict[str, Any]:
+def run_arm(name: str, overrides: dict[str, Any], seed: int, setting: Setting, *, headroom_k: int = 0) -> dict[str, Any]:
     from trainer.config import TrainConfig
     from trainer.grpo import train
 
     out = setting.out / f"{name}-seed{seed}"
-    config = TrainConfig(
+    base = dict(
         env_id="cgym/ApiReport-v0", env_kwargs={"difficulty": setting.difficulty}, model=setting.model, out=str(out),
         steps=10_000, time_budget_s=setting.budget_s, eval_every=setting.eval_every, eval_episodes=setting.eval_episodes,
         group_size=setting.group_size, tasks_per_step=setting.tasks_per_step, task_pool=setting.task_pool,
-        learning_rate=setting.learning_rate, temperature=setting.temperature, seed=seed, progress=False, **overrides,
+        learning_rate=setting.learning_rate, temperature=setting.temperature, seed=seed, progress=False,
     )  # fmt: skip
+    config = TrainConfig(**{**base, **overrides})  # an arm's overrides win over the shared setting
     result = train(config)
-    pool = {}
+    extra = {}
     if setting.task_pool:
-        pool = {"pool_before": pool_success(setting.model, setting), "pool_after": pool_success(result["final"], setting)}
+        extra = {"pool_before": pool_success(setting.model, setting), "pool_after": pool_success(result["final"], setting)}
+    if headroom_k:
+        extra["final_headroom"] = headroom(result["final"], setting, headroom_k)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     elapsed, curve = 0.0, []
     for row in rows:
@@ -74,7 +85,46 @@ def run_arm(name: str, overrides: dict[str, Any], seed: int, setting: Setting) -
         "refine_trigger_rate": statistics.mean(r["refine/trigger_rate"] for r in refine) if refine else None,
         "refine_success_rate": statistics.mean(r["refine/success_rate"] for r in refine if r["refine/attempts"]) if any(r["refine/attempts"] for r in refine) else None,
         "rescued_groups": sum(r.get("refine/rescued_groups", 0) for r in refine),
-        **pool,
+        **extra,
+    }
+
+
+def _rates(start: dict[str, Any] | None) -> dict[str, float]:
+    """The greedy and pass@K rates of a headroom measurement (the lines the plot draws)."""
+    return {key: value for key, value in (start or {}).items() if key == "greedy" or (key.startswith("pass@") and key != "pass@1")}
+
+
+def parse_arm(text: str) -> tuple[str, dict[str, Any]]:
+    """`NAME=JSON` -> (name, TrainConfig overrides), for `--arm`."""
+    name, sep, overrides = text.partition("=")
+    try:
+        parsed = json.loads(overrides) if sep else None
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"--arm {text!r}: the overrides after '=' are not JSON ({exc})") from exc
+    if not name or not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError(f"--arm {text!r}: expected NAME={{...}}, e.g. 'lr_1e-3={{\"learning_rate\": 0.001}}'")
+    return name, parsed
+
+
+def headroom(model: str, setting: Setting, samples: int) -> dict[str, Any]:
+    """Greedy success, and pass@`samples` at the training temperature with the test tasks split
+    by how many of the tries solved them (never / sometimes / always), on the test episodes."""
+    from agents.evaluate import EvalConfig, evaluate
+    from agents.hf import HFPolicy
+    from trainer.grpo import EVAL_SEED
+
+    def run(temperature: float, k: int) -> tuple[dict[str, Any], list[Any]]:
+        policy = HFPolicy.from_pretrained(model, temperature=temperature, max_new_tokens=96, seed=0)
+        config = EvalConfig("cgym/ApiReport-v0", {"difficulty": setting.difficulty, "split": "test"}, episodes=setting.eval_episodes, seed=EVAL_SEED, samples=k, batch_size=128)
+        return evaluate(policy, config)
+
+    sampled, results = run(setting.temperature, samples)
+    solved = [sum(r.success for r in results[i : i + samples]) for i in range(0, len(results), samples)]
+    return {
+        "greedy": run(0.0, 1)[0]["success_rate"],
+        "pass@1": sampled["pass@1"],
+        f"pass@{samples}": sampled[f"pass@{samples}"],
+        "tasks": {"never": sum(n == 0 for n in solved), "sometimes": sum(0 < n < samples for n in solved), "always": sum(n == samples for n in solved)},
     }
 
 
@@ -100,7 +150,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return table
 
 
-def plot(runs: list[dict[str, Any]], path: Path, *, title: str = "GRPO vs Critique-GRPO") -> None:
+def plot(runs: list[dict[str, Any]], path: Path, *, title: str = "GRPO vs Critique-GRPO", start: dict[str, float] | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -112,9 +162,12 @@ def plot(runs: list[dict[str, Any]], path: Path, *, title: str = "GRPO vs Critiq
         color = colors.setdefault(run["arm"], f"C{len(colors)}")
         xs, ys = zip(*run["curve"]) if run["curve"] else ((), ())
         ax.plot(xs, ys, "o-", color=color, alpha=0.7, label=run["arm"] if run["seed"] == runs[0]["seed"] else None)
+    for n, (label, value) in enumerate(sorted((start or {}).items(), key=lambda item: item[1])):
+        ax.axhline(value, color="0.4", linestyle=(0, (2, 2 + n)), linewidth=1)
+        ax.annotate(f"start model {label} ({value:.0%})", (0.0, value), textcoords="offset points", xytext=(2, 3), fontsize=7, color="0.3")
     ax.set_xlabel("training time (s)")
     ax.set_ylabel("test success rate")
-    top = max((y for run in runs for _, y in run["curve"]), default=1.0)
+    top = max([y for run in runs for _, y in run["curve"]] + list((start or {}).values()), default=1.0)
     ax.set_ylim(0.0, min(1.02, top + 0.15))
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
@@ -139,6 +192,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lr", type=float, default=2e-4)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--ablations", action="store_true", help="also run the ablation arms (first seed only)")
+    parser.add_argument("--arm", type=parse_arm, action="append", default=[], metavar="NAME=JSON", help="run these arms (TrainConfig overrides) instead of GRPO vs Critique-GRPO; repeatable")
+    parser.add_argument("--headroom", type=int, default=0, metavar="K", help="also measure greedy success and pass@K at --temperature of the starting model and of each run's final one")
     parser.add_argument("--out", type=Path, default=Path("runs/critique_vs_grpo"))
     parser.add_argument("--json", type=Path, default=Path("runs/critique_vs_grpo.json"))
     parser.add_argument("--plot", type=Path, default=Path("runs/critique_vs_grpo.png"))
@@ -149,14 +204,21 @@ def main(argv: list[str] | None = None) -> None:
         args.model, args.difficulty, args.budget, args.eval_every, args.eval_episodes, args.group_size, args.tasks_per_step, args.out,
         task_pool=args.task_pool, learning_rate=args.lr, temperature=args.temperature,
     )  # fmt: skip
-    runs = [run_arm(name, overrides, seed, setting) for seed in args.seeds for name, overrides in ARMS.items()]
+    arms = dict(args.arm) or ARMS
+    plan = [(name, overrides, seed) for seed in args.seeds for name, overrides in arms.items()]
     if args.ablations:
-        runs += [run_arm(name, overrides, args.seeds[0], setting) for name, overrides in ABLATIONS.items()]
-    result = {"setting": {k: str(v) for k, v in vars(setting).items()}, "table": summarize(runs), "runs": runs}
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2))
-    plot(runs, args.plot, title=f"ApiReport {args.difficulty}: {args.budget:.0f} s of training per run, {args.eval_episodes} test episodes")
-    print(json.dumps(result["table"], indent=2))
+        plan += [(name, overrides, args.seeds[0]) for name, overrides in ABLATIONS.items()]
+    result: dict[str, Any] = {"setting": {k: str(v) for k, v in vars(setting).items()}, "arms": arms}
+    if args.headroom:
+        result["start"] = headroom(args.model, setting, args.headroom)
+    runs: list[dict[str, Any]] = []
+    for name, overrides, seed in plan:  # the JSON is rewritten after every run: a crash loses one run at most
+        runs.append(run_arm(name, overrides, seed, setting, headroom_k=args.headroom))
+        result.update(table=summarize(runs), runs=runs)
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2))
+    plot(runs, args.plot, title=f"ApiReport {args.difficulty}: {args.budget:.0f} s of training per run, {args.eval_episodes} test episodes", start=_rates(result.get("start")))
+    print(json.dumps({key: result[key] for key in ("start", "table") if key in result}, indent=2))
 
 
 if __name__ == "__main__":

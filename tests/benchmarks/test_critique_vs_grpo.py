@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import pytest
 
-from benchmarks.critique_vs_grpo import plot, summarize
+from benchmarks.critique_vs_grpo import parse_arm, plot, summarize
 
 RUNS = [
     {"arm": "grpo", "seed": 0, "before": 0.2, "after": 0.3, "curve": [(0.0, 0.2), (10.0, 0.3)], "pool_before": 0.1, "pool_after": 0.5},
@@ -24,4 +25,16 @@ def test_summary_gives_mean_spread_and_pool_figures_where_every_run_has_them() -
 
 def test_plot_writes_a_png(tmp_path: Path) -> None:
     plot(RUNS, tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+def test_arm_option_reads_name_and_config_overrides_and_rejects_the_rest() -> None:
+    assert parse_arm('lr_1e-3={"learning_rate": 0.001, "critique": "none"}') == ("lr_1e-3", {"learning_rate": 0.001, "critique": "none"})
+    for bad in ("grpo", "grpo=", '={"steps": 3}', "grpo={steps: 3}", "grpo=[1]"):
+        with pytest.raises(argparse.ArgumentTypeError, match="--arm"):
+            parse_arm(bad)
+
+
+def test_plot_draws_the_start_model_reference_lines(tmp_path: Path) -> None:
+    plot(RUNS, tmp_path / "p.png", start={"greedy": 0.44, "pass@8": 0.75})
     assert (tmp_path / "p.png").stat().st_size > 1000
