@@ -1,0 +1,79 @@
+"""Can a policy act on critiques? Refine its own failures once per critique style and count fixes.
+
+Usage:
+    python -m benchmarks.refine_success --policy hf:quickstart/sft --env-kwargs '{"difficulty": "easy"}' \\
+        --episodes 100 --json runs/refine_success.json
+
+Critique-GRPO only rescues a group when a refinement succeeds. This runs the policy on the test
+episodes, gives each failed episode's critique (indicative, ground truth, step-level) to the same
+policy in the trainer's refinement prompt, replays the task, and reports how many refinements
+succeeded and a few of the refined answers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from agents.base import Policy
+from agents.critics import refinement_conversation
+from agents.episodes import EpisodeResult, run_episodes
+from benchmarks.output import emit
+from envs.registration import make
+
+STYLES = ("indicative", "ground_truth", "step")
+
+
+def refine_failures(policy: Policy, env_id: str, env_kwargs: dict[str, Any], seeds: list[int], styles: tuple[str, ...] = STYLES, *, examples: int = 3) -> dict[str, Any]:
+    """Run `seeds`, then refine every failed episode once per critique style."""
+
+    def new_env() -> Any:
+        return make(env_id, **env_kwargs)
+
+    results = run_episodes(new_env, policy, seeds, batch_size=len(seeds))
+    failed = [r for r in results if not r.success]
+    report: dict[str, Any] = {"episodes": len(results), "failed": len(failed), "styles": {}}
+    for style in styles:
+        todo = [(r, c) for r in failed if (c := r.critique(style))]  # type: ignore[arg-type]
+        refined = _refine(new_env, policy, todo) if todo else []
+        report["styles"][style] = {
+            "refined": len(refined),
+            "succeeded": sum(r.success for r in refined),
+            "examples": [{"before": _answer(old), "critique": critique, "after": _answer(new)} for (old, critique), new in list(zip(todo, refined))[:examples]],
+        }
+    return report
+
+
+def _refine(new_env: Any, policy: Policy, todo: list[tuple[EpisodeResult, str]]) -> list[EpisodeResult]:
+    def opening(i: int, conversation: Any) -> Any:
+        return refinement_conversation(conversation, todo[i][0], todo[i][1])
+
+    return run_episodes(new_env, policy, [r.seed for r, _ in todo], batch_size=len(todo), conversation_for=opening)
+
+
+def _answer(result: EpisodeResult) -> str:
+    return str(result.conversation.messages[-1]["content"])
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--policy", required=True, help="policy spec, e.g. hf:quickstart/sft")
+    parser.add_argument("--env", default="cgym/ApiReport-v0")
+    parser.add_argument("--env-kwargs", type=json.loads, default={}, help='JSON, e.g. \'{"difficulty": "easy"}\'')
+    parser.add_argument("--episodes", type=int, default=100)
+    parser.add_argument("--seed", type=int, default=10_000, help="first test seed (the trainer's evaluation seeds by default)")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    import envs  # noqa: F401
+    from agents.spec import SamplingOptions, load_policy
+
+    policy = load_policy(args.policy, SamplingOptions(temperature=0.0, max_new_tokens=96))
+    env_kwargs = {**args.env_kwargs, "split": "test"}
+    report = refine_failures(policy, args.env, env_kwargs, [args.seed + i for i in range(args.episodes)])
+    emit({"policy": args.policy, "env": args.env, "env_kwargs": env_kwargs, **report}, args.json)
+
+
+if __name__ == "__main__":
+    main()

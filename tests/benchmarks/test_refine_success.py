@@ -1,0 +1,28 @@
+"""The refinement benchmark's plumbing, on scripted agents (no model needed)."""
+
+from __future__ import annotations
+
+import envs  # noqa: F401
+from agents.scripted import ScriptedPolicy
+from benchmarks.refine_success import STYLES, refine_failures
+
+ENV = "cgym/ApiReport-v0"
+KWARGS = {"difficulty": "easy", "split": "test"}
+
+
+def test_every_failure_is_refined_once_per_style_and_a_persistent_slip_stays_wrong() -> None:
+    report = refine_failures(ScriptedPolicy("typo"), ENV, KWARGS, [10, 11, 12, 13])
+    assert report["episodes"] == 4 and report["failed"] == 4
+    assert set(report["styles"]) == set(STYLES)
+    for style in STYLES:
+        figures = report["styles"][style]
+        assert figures["refined"] == 4 and figures["succeeded"] == 0  # the scripted slip ignores critiques
+        example = figures["examples"][0]
+        assert example["critique"] and example["before"] and example["after"]
+    assert "expected" in report["styles"]["step"]["examples"][0]["critique"]
+
+
+def test_a_policy_that_never_fails_has_nothing_to_refine() -> None:
+    report = refine_failures(ScriptedPolicy("oracle"), ENV, KWARGS, [10, 11])
+    assert report["failed"] == 0
+    assert all(figures == {"refined": 0, "succeeded": 0, "examples": []} for figures in report["styles"].values())
