@@ -49,15 +49,17 @@ def group_advantages(
             f"group_size must be >= 1 and divide the number of rewards; "
             f"got {rewards.numel()} rewards and group_size={group_size}"
         )
-    grouped = rewards.float().view(-1, group_size)  # (G, n)
+    # float64 inside: with near-equal rewards, a float32 group mean is off by more than the spread
+    # divided by the std allows (the centred advantages would no longer sum to zero).
+    grouped = rewards.double().view(-1, group_size)  # (G, n)
     centred = grouped - grouped.mean(dim=1, keepdim=True)
     if scale == "none":
-        return centred.flatten()
+        return centred.flatten().float()
     sample = grouped if scale == "group" else grouped.flatten()
     std = sample.std(dim=-1, keepdim=True) if sample.shape[-1] > 1 else grouped.new_ones(1)
     # One-sample and zero-variance groups centre to 0: divide by 1 so they stay 0 even at eps=0.
     std = torch.where(std > 0, std, 1.0)
-    return (centred / (std.view(-1, 1) + eps)).flatten()
+    return (centred / (std.view(-1, 1) + eps)).flatten().float()
 
 
 def unified_advantages(rewards: Tensor, groups: Tensor, scale: AdvantageScale = "group", eps: float = 1e-4) -> Tensor:
@@ -67,7 +69,7 @@ def unified_advantages(rewards: Tensor, groups: Tensor, scale: AdvantageScale = 
     a task's initial attempts and its refinements in one group, so they share one baseline.
     """
     _check_choice(scale, ADVANTAGE_SCALES, "scale")
-    rewards = rewards.float()
+    rewards = rewards.double()  # as in group_advantages: float32 means drift on near-equal rewards
     out = torch.zeros_like(rewards)
     batch_std = rewards.std() if rewards.numel() > 1 else rewards.new_tensor(0.0)
     for g in torch.unique(groups):
@@ -79,7 +81,7 @@ def unified_advantages(rewards: Tensor, groups: Tensor, scale: AdvantageScale = 
             continue
         std = (group.std() if group.numel() > 1 else group.new_tensor(0.0)) if scale == "group" else batch_std
         out[rows] = centred / ((std if std > 0 else 1.0) + eps)
-    return out
+    return out.float()
 
 
 def kl_k3(logp: Tensor, ref_logp: Tensor) -> Tensor:

@@ -28,8 +28,9 @@ def test_quickstart_writes_the_reports_and_the_figures(tmp_path: Path) -> None:
 
 
 def test_embedded_model_drills_mix_copies_and_look_ups(monkeypatch, tmp_path: Path) -> None:
-    import trainer.pipeline as pipeline
     from transformers import AutoTokenizer
+
+    import trainer.pipeline as pipeline
 
     seen: list = []
     monkeypatch.setattr(pipeline, "fit", lambda model, drills, out, **kwargs: seen.extend(drills))
