@@ -8,11 +8,13 @@ policy its previous attempt and a critique and asks it to fix the errors, not re
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal
 
+import gymnasium as gym
+
 from agents.base import Conversation, Policy
-from agents.episodes import EpisodeResult
+from agents.episodes import EpisodeResult, run_episodes
 
 Verdict = Literal["correct", "incorrect"]
 _VERDICT = re.compile(r"(?:conclusion\W*)?\b(incorrect|correct)\b\W*\[\s*end\s*\]", re.IGNORECASE)
@@ -69,3 +71,24 @@ def refinement_conversation(opening: Conversation, failed: EpisodeResult, critiq
     content = f"{task['content']}\n\n{REFINE_INSTRUCTION}\n\nPrevious attempt:\n{transcript(failed)}\n\nCritique:\n{critique}"
     messages = [system, {"role": "user", "content": content}, *opening.messages[2:]]
     return Conversation(messages, opening.tools, env_seen=opening.env_seen)
+
+
+def run_refinements(
+    make_env: Callable[[], gym.Env],
+    policy: Policy,
+    attempts: Sequence[tuple[EpisodeResult, str]],
+    *,
+    batch_size: int | None = None,
+    pool: list[gym.Env] | None = None,
+) -> list[EpisodeResult]:
+    """Replay each attempt's task (same seed, fresh env) opening with its refinement prompt;
+    results in the order of `attempts`. `batch_size` defaults to all at once."""
+    if not attempts:
+        return []
+
+    def opening(i: int, conversation: Conversation) -> Conversation:
+        failed, critique = attempts[i]
+        return refinement_conversation(conversation, failed, critique)
+
+    seeds = [failed.seed for failed, _ in attempts]
+    return run_episodes(make_env, policy, seeds, batch_size=batch_size or len(attempts), conversation_for=opening, pool=pool)

@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 from agents.base import Policy
-from agents.critics import ModelCritic, parse_verdict, refinement_conversation
-from agents.episodes import EpisodeResult, run_episodes
+from agents.critics import ModelCritic, parse_verdict, run_refinements
+from agents.episodes import EpisodeResult
 from agents.evaluate import EvalConfig, evaluate, summarize
 from envs.registration import make
 
@@ -21,14 +21,10 @@ def evaluate_with_self_critique(policy: Policy, config: EvalConfig) -> dict[str,
     critiques = ModelCritic(policy).critique(results)
     retry = [(i, c) for i, c in enumerate(critiques) if c and parse_verdict(c) == "incorrect"]
     final: list[EpisodeResult] = list(results)
-    if retry:
-        def opening(k: int, conv: Any) -> Any:
-            index, critique = retry[k]
-            return refinement_conversation(conv, results[index], critique)
-
-        refined = run_episodes(lambda: make(config.env_id, **config.env_kwargs), policy, [results[i].seed for i, _ in retry], batch_size=config.batch_size, conversation_for=opening)
-        for (index, _), result in zip(retry, refined):
-            final[index] = result
+    attempts = [(results[index], critique) for index, critique in retry]
+    refined = run_refinements(lambda: make(config.env_id, **config.env_kwargs), policy, attempts, batch_size=config.batch_size)
+    for (index, _), result in zip(retry, refined):
+        final[index] = result
     with_ = summarize(final, samples=config.samples)
     self_flagged = sum(1 for c in critiques if c and parse_verdict(c) == "incorrect")
     return {

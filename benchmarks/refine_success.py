@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from agents.base import Policy
-from agents.critics import refinement_conversation
+from agents.critics import run_refinements
 from agents.episodes import EpisodeResult, run_episodes
 from benchmarks.output import emit
 from envs.registration import make
@@ -37,20 +37,13 @@ def refine_failures(policy: Policy, env_id: str, env_kwargs: dict[str, Any], see
     report: dict[str, Any] = {"episodes": len(results), "failed": len(failed), "styles": {}}
     for style in styles:
         todo = [(r, c) for r in failed if (c := r.critique(style))]  # type: ignore[arg-type]
-        refined = _refine(new_env, policy, todo) if todo else []
+        refined = run_refinements(new_env, policy, todo)
         report["styles"][style] = {
             "refined": len(refined),
             "succeeded": sum(r.success for r in refined),
             "examples": [{"before": _answer(old), "critique": critique, "after": _answer(new)} for (old, critique), new in list(zip(todo, refined))[:examples]],
         }
     return report
-
-
-def _refine(new_env: Any, policy: Policy, todo: list[tuple[EpisodeResult, str]]) -> list[EpisodeResult]:
-    def opening(i: int, conversation: Any) -> Any:
-        return refinement_conversation(conversation, todo[i][0], todo[i][1])
-
-    return run_episodes(new_env, policy, [r.seed for r, _ in todo], batch_size=len(todo), conversation_for=opening)
 
 
 def _answer(result: EpisodeResult) -> str:

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from rich.console import Console
 
+from agents.critics import run_refinements
 from agents.episodes import run_episodes
 from agents.evaluate import EvalConfig, evaluate
 from agents.hf import HFPolicy
@@ -29,7 +30,7 @@ from trainer.checkpoint import latest_checkpoint, load_state, save_checkpoint
 from trainer.config import TrainConfig
 from trainer.losses import policy_loss, token_normalizer, unified_advantages
 from trainer.metrics import HackingMonitor, MetricsLog, plot_curve, rollout_metrics
-from trainer.refine import rebase, refinement_conversation, sample_subset, select_refinements, should_refine
+from trainer.refine import rebase, sample_subset, select_refinements, should_refine
 from trainer.rollout import Trajectory, pack, slice_batch
 
 EnvFactory = Callable[[str], gym.Env]  # split -> env
@@ -180,10 +181,7 @@ def _refine(state: TrainState, trajectories: list[Trajectory], rng: np.random.Ge
     kept: list[Trajectory] = []
     successes = 0
     if todo:
-        def opening(i: int, conv: Any) -> Any:
-            return refinement_conversation(conv, todo[i][0].result, todo[i][1])
-
-        results = run_episodes(lambda: state.make_env("train"), state.policy, [t.result.seed for t, _ in todo], batch_size=len(todo), conversation_for=opening, pool=state.pool)
+        results = run_refinements(lambda: state.make_env("train"), state.policy, [(t.result, c) for t, c in todo], pool=state.pool)
         refined = [Trajectory.from_result(r, t.group, refined=True) for r, (t, _) in zip(results, todo)]
         successes = sum(t.success for t in refined)
         prompts = {t.group: t.ids[: t.result.conversation.prompt_len] for grp in triggered for t in grp}

@@ -12,10 +12,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from agents.critics import refinement_conversation
 from trainer.rollout import Trajectory
 
-__all__ = ["rebase", "refinement_conversation", "sample_subset", "select_refinements", "should_refine"]
+__all__ = ["rebase", "sample_subset", "select_refinements", "should_refine"]
+
 
 def should_refine(group: Sequence[Trajectory], fail_fraction: float) -> bool:
     """Refine a group when at least `fail_fraction` of its attempts failed (1.0: all failed)."""

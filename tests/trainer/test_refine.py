@@ -4,11 +4,11 @@ import numpy as np
 import pytest
 
 from agents.base import Conversation
-from agents.critics import parse_verdict
+from agents.critics import parse_verdict, run_refinements
 from agents.episodes import EpisodeResult, run_episodes
 from agents.scripted import ScriptedPolicy
 from envs import make
-from trainer.refine import rebase, refinement_conversation, select_refinements, should_refine
+from trainer.refine import rebase, select_refinements, should_refine
 from trainer.rollout import Trajectory
 
 
@@ -53,12 +53,15 @@ def test_trigger(successes: list[int], fraction: float, expected: bool) -> None:
 def test_refinement_is_verified_in_a_fresh_env_with_the_same_seed() -> None:
     """A refinement prompt carries attempt + critique; the env still scores the same task."""
     make_env = lambda: make("cgym/ApiReport-v0", difficulty="hard", split="train", faults=0.0)  # noqa: E731
-    failed = run_episodes(make_env, ScriptedPolicy("skip_pagination"), [11])[0]
-    critique = failed.critique("step")
-    retry = run_episodes(make_env, ScriptedPolicy("oracle"), [11], conversation_for=lambda i, conv: refinement_conversation(conv, failed, critique))[0]
-    prompt = retry.conversation.messages[1]["content"]
-    assert "Previous attempt:" in prompt and "pagination_incomplete" in prompt and prompt.startswith(failed.conversation.messages[1]["content"])
-    assert retry.success and retry.task_id == failed.task_id
+    failures = run_episodes(make_env, ScriptedPolicy("skip_pagination"), [11, 12])
+    attempts = [(failed, failed.critique("step")) for failed in failures]
+    retries = run_refinements(make_env, ScriptedPolicy("oracle"), attempts, batch_size=1)
+    assert [r.seed for r in retries] == [11, 12]  # in the order of the attempts
+    for (failed, _), retry in zip(attempts, retries):
+        prompt = retry.conversation.messages[1]["content"]
+        assert "Previous attempt:" in prompt and "pagination_incomplete" in prompt and prompt.startswith(failed.conversation.messages[1]["content"])
+        assert retry.success and retry.task_id == failed.task_id
+    assert run_refinements(make_env, ScriptedPolicy("oracle"), []) == []
 
 
 @pytest.mark.parametrize(
