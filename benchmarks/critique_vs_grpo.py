@@ -109,33 +109,36 @@ def parse_arm(text: str) -> tuple[str, dict[str, Any]]:
 def headroom(model: str, setting: Setting, samples: int) -> dict[str, Any]:
     """Greedy success, and pass@`samples` at the training temperature with the test tasks split
     by how many of the tries solved them (never / sometimes / always), on the test episodes."""
-    from agents.evaluate import EvalConfig, evaluate
-    from agents.hf import HFPolicy
     from trainer.grpo import EVAL_SEED
 
-    def run(temperature: float, k: int) -> tuple[dict[str, Any], list[Any]]:
-        policy = HFPolicy.from_pretrained(model, temperature=temperature, max_new_tokens=96, seed=0)
-        config = EvalConfig("cgym/ApiReport-v0", {"difficulty": setting.difficulty, "split": "test"}, episodes=setting.eval_episodes, seed=EVAL_SEED, samples=k, batch_size=128)
-        return evaluate(policy, config)
-
-    sampled, results = run(setting.temperature, samples)
-    solved = [sum(r.success for r in results[i : i + samples]) for i in range(0, len(results), samples)]
+    test = {"split": "test", "episodes": setting.eval_episodes, "seed": EVAL_SEED}
+    sampled, results = _evaluate(model, setting, temperature=setting.temperature, samples=samples, **test)
     return {
-        "greedy": run(0.0, 1)[0]["success_rate"],
+        "greedy": _evaluate(model, setting, **test)[0]["success_rate"],
         "pass@1": sampled["pass@1"],
         f"pass@{samples}": sampled[f"pass@{samples}"],
-        "tasks": {"never": sum(n == 0 for n in solved), "sometimes": sum(0 < n < samples for n in solved), "always": sum(n == samples for n in solved)},
+        "tasks": task_split([r.success for r in results], samples),
     }
+
+
+def task_split(successes: list[bool], samples: int) -> dict[str, int]:
+    """How many tasks (`samples` consecutive tries each) were solved never, sometimes, always."""
+    solved = [sum(successes[i : i + samples]) for i in range(0, len(successes), samples)]
+    return {"never": sum(n == 0 for n in solved), "sometimes": sum(0 < n < samples for n in solved), "always": sum(n == samples for n in solved)}
 
 
 def pool_success(model: str, setting: Setting) -> float:
     """Greedy success on the training pool's tasks (train split, seeds 0..task_pool-1)."""
+    return _evaluate(model, setting, split="train", episodes=setting.task_pool, seed=0, batch_size=64)[0]["success_rate"]
+
+
+def _evaluate(model: str, setting: Setting, *, split: str, episodes: int, seed: int, temperature: float = 0.0, samples: int = 1, batch_size: int = 128) -> tuple[dict[str, Any], list[Any]]:
     from agents.evaluate import EvalConfig, evaluate
     from agents.hf import HFPolicy
 
-    policy = HFPolicy.from_pretrained(model, temperature=0.0, max_new_tokens=96, seed=0)
-    config = EvalConfig("cgym/ApiReport-v0", {"difficulty": setting.difficulty, "split": "train"}, episodes=setting.task_pool, seed=0, batch_size=64)
-    return evaluate(policy, config)[0]["success_rate"]
+    policy = HFPolicy.from_pretrained(model, temperature=temperature, max_new_tokens=96, seed=0)
+    config = EvalConfig("cgym/ApiReport-v0", {"difficulty": setting.difficulty, "split": split}, episodes=episodes, seed=seed, samples=samples, batch_size=batch_size)
+    return evaluate(policy, config)
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -212,10 +215,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.headroom:
         result["start"] = headroom(args.model, setting, args.headroom)
     runs: list[dict[str, Any]] = []
+    args.json.parent.mkdir(parents=True, exist_ok=True)
     for name, overrides, seed in plan:  # the JSON is rewritten after every run: a crash loses one run at most
         runs.append(run_arm(name, overrides, seed, setting, headroom_k=args.headroom))
         result.update(table=summarize(runs), runs=runs)
-        args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2))
     plot(runs, args.plot, title=f"ApiReport {args.difficulty}: {args.budget:.0f} s of training per run, {args.eval_episodes} test episodes", start=_rates(result.get("start")))
     print(json.dumps({key: result[key] for key in ("start", "table") if key in result}, indent=2))

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.critique_vs_grpo import parse_arm, plot, summarize
+from benchmarks.critique_vs_grpo import parse_arm, plot, summarize, task_split
 
 RUNS = [
     {"arm": "grpo", "seed": 0, "before": 0.2, "after": 0.3, "curve": [(0.0, 0.2), (10.0, 0.3)], "pool_before": 0.1, "pool_after": 0.5},
@@ -38,3 +38,9 @@ def test_arm_option_reads_name_and_config_overrides_and_rejects_the_rest() -> No
 def test_plot_draws_the_start_model_reference_lines(tmp_path: Path) -> None:
     plot(RUNS, tmp_path / "p.png", start={"greedy": 0.44, "pass@8": 0.75})
     assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+def test_task_split_counts_tasks_solved_never_sometimes_always() -> None:
+    tries = [False, False, False] + [True, False, True] + [True, True, True] + [False, True, False]
+    assert task_split(tries, 3) == {"never": 1, "sometimes": 2, "always": 1}
+    assert task_split([True, False], 1) == {"never": 1, "sometimes": 0, "always": 1}
