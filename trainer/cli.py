@@ -167,7 +167,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens, critique=args.critique, refine_k=args.refine_k, refine_attempts=args.refine_attempts,
         refine_fail_fraction=args.refine_fail_fraction, gamma=args.gamma, shaping=not args.no_shaping,
         eval_every=args.eval_every, eval_episodes=args.eval_episodes, save_every=args.save_every,
-        time_budget_s=args.time_budget, seed=args.seed, lora_r=args.lora_r,
+        time_budget_s=args.time_budget, seed=args.seed, lora_r=args.lora_r, trainable=args.trainable,
     )  # fmt: skip
     result = train(config, resume=args.resume, console=console)
     before, after = result["before"], result["after"]
@@ -309,6 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
     p.add_argument("--time-budget", type=float, default=0.0, help="seconds of training (0: no limit)")
     p.add_argument("--lora-r", type=int, default=0, help="LoRA rank (needs the lora extra; 0: full fine-tuning)")
+    p.add_argument("--trainable", choices=["all", "attention", "no_embeddings"], default="all", help="which weights GRPO updates")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoints/ (latest)")
     _add_sampling(p)

@@ -9,6 +9,8 @@ from typing import Any, Literal
 from trainer.losses import ADVANTAGE_SCALES, LOSS_TYPES, AdvantageScale, LossType, check_loss_type
 
 ZeroStd = Literal["keep", "drop", "resample"]
+Trainable = Literal["all", "attention", "no_embeddings"]
+TRAINABLE: tuple[str, ...] = ("all", "attention", "no_embeddings")
 CRITIQUE_STYLES = ("none", "indicative", "ground_truth", "step")
 
 
@@ -90,6 +92,8 @@ class TrainConfig:
     """Seeds tasks, sampling and initialisation."""
     lora_r: int = 0
     """LoRA rank via peft (0: full fine-tuning)."""
+    trainable: Trainable = "all"
+    """Which weights GRPO updates: all, only the attention projections, or all but the embeddings."""
     progress: bool = True
     """Show a progress bar."""
 
@@ -97,6 +101,7 @@ class TrainConfig:
         check_loss_type(self.loss_type)
         _choice("scale", self.scale, ADVANTAGE_SCALES)
         _choice("zero_std", self.zero_std, ("keep", "drop", "resample"))
+        _choice("trainable", self.trainable, TRAINABLE)
         if not (self.critique in CRITIQUE_STYLES or self.critique.startswith("model:")):
             raise ValueError(f"critique={self.critique!r}: choose one of {list(CRITIQUE_STYLES)} or 'model:<policy-spec>'")
         for name in ("steps", "group_size", "tasks_per_step", "micro_batch_size", "num_iterations", "max_new_tokens", "refine_attempts"):

@@ -67,6 +67,7 @@ def setup(config: TrainConfig, *, make_env: EnvFactory | None = None, resume: bo
     policy = HFPolicy.from_pretrained(checkpoint or config.model_path, temperature=config.temperature, top_p=config.top_p, max_new_tokens=config.max_new_tokens, seed=config.seed)
     if config.lora_r > 0:
         policy.model = _with_lora(policy.model, config.lora_r)
+    freeze_except(policy.model, config.trainable)
     params = [p for p in policy.model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=config.weight_decay)
     warmup = max(config.warmup_steps, 1)
@@ -89,6 +90,17 @@ def _critic(config: TrainConfig) -> Any:
     from agents.spec import load_policy
 
     return ModelCritic(load_policy(config.critique.removeprefix("model:")))
+
+
+def freeze_except(model: torch.nn.Module, trainable: str) -> None:
+    """Stop gradients to every weight outside `trainable` (see TrainConfig.trainable)."""
+    if trainable == "all":
+        return
+    for name, param in model.named_parameters():
+        if trainable == "attention" and "self_attn" not in name:
+            param.requires_grad_(False)
+        elif trainable == "no_embeddings" and ("embed_tokens" in name or "lm_head" in name):
+            param.requires_grad_(False)
 
 
 def _with_lora(model: torch.nn.Module, rank: int) -> torch.nn.Module:

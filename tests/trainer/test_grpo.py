@@ -114,7 +114,17 @@ def test_micro_batch_split_does_not_change_the_update(tiny_model: Path, tmp_path
     assert all(torch.allclose(x, y, atol=1e-5, rtol=1e-4) for x, y in zip(grads_a, grads_b))
 
 
-@pytest.mark.parametrize("field,value", [("loss_type", "dapo2"), ("zero_std", "ignore"), ("critique", "steps"), ("group_size", 1)], ids=["loss", "zero-std", "critique", "group"])
+@pytest.mark.parametrize("trainable,moved,frozen", [("attention", ("self_attn",), ("mlp", "norm", "embed_tokens")), ("no_embeddings", ("self_attn", "mlp", "norm"), ("embed_tokens",))])
+def test_trainable_limits_which_weights_move(tiny_model: Path, tmp_path: Path, trainable: str, moved: tuple[str, ...], frozen: tuple[str, ...]) -> None:
+    state = setup(_config(tiny_model, tmp_path / trainable, trainable=trainable), make_env=_toy)
+    start = {name: p.detach().clone() for name, p in state.model.named_parameters()}
+    train_step(state, 1)
+    changed = {name for name, p in state.model.named_parameters() if not torch.equal(p, start[name])}
+    assert all(any(part in name for name in changed) for part in moved), sorted(changed)
+    assert not any(part in name for name in changed for part in frozen), sorted(changed)
+
+
+@pytest.mark.parametrize("field,value", [("loss_type", "dapo2"), ("zero_std", "ignore"), ("critique", "steps"), ("group_size", 1), ("trainable", "mlp")], ids=["loss", "zero-std", "critique", "group", "trainable"])
 def test_config_is_validated_at_parse_time(tmp_path: Path, field: str, value) -> None:
     with pytest.raises(ValueError):
         _config(tmp_path, tmp_path, **{field: value})
