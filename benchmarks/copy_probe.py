@@ -1,0 +1,160 @@
+"""Does a model copy a report's values from the tool result, or guess them? A teacher-forced probe.
+
+Usage:
+    python -m benchmarks.copy_probe --model quickstart/sft --model quickstart/grpo/final \\
+        --env-kwargs '{"difficulty": "easy"}' --episodes 300 --json runs/copy_probe.json
+
+The oracle solves each test episode; its transcript is fed to each model exactly as sampling lays
+it out (`ChatEncoder.encode_demo`), and at every token of every value in the final JSON report the
+probe asks whether the model's most likely next token is the oracle's. A value counts as copied
+when all its tokens are. Results are grouped by the true value for fields with few distinct values
+(and by domain for emails), where the difference between copying and guessing shows: a model that
+reads the tool result is right for every value; one that falls back on its prior is right for the
+common value only, whatever the tool said.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+from agents.chat import ChatEncoder
+from agents.episodes import EpisodeResult, run_episodes
+from agents.scripted import ScriptedPolicy
+from benchmarks.output import emit
+from envs.registration import make
+
+MAX_GROUPS = 8  # fields with at most this many distinct values are broken down by value
+
+
+def report_values(answer: str) -> dict[str, Any]:
+    """The JSON object a report answer ends with (a one-line summary may precede it)."""
+    start = answer.find("{")
+    if start < 0:
+        raise ValueError(f"no JSON object in the answer: {answer!r}")
+    values = json.loads(answer[start:])
+    if not isinstance(values, dict):
+        raise ValueError(f"the answer's JSON is not an object: {answer!r}")
+    return values
+
+
+def value_spans(answer: str, values: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    """Character span of each field's value in `answer` (inside the quotes for strings)."""
+    spans = {}
+    for key, value in values.items():
+        pair = f"{json.dumps(key)}: {json.dumps(value)}"
+        at = answer.find(pair)
+        if at < 0:
+            raise ValueError(f"{pair!r} is not in the answer: {answer!r}")
+        start = at + len(json.dumps(key)) + 2
+        end = start + len(json.dumps(value))
+        spans[key] = (start + 1, end - 1) if isinstance(value, str) else (start, end)
+    return spans
+
+
+def token_offsets(tokenizer: PreTrainedTokenizerBase, ids: Sequence[int]) -> list[tuple[int, int]]:
+    """Character span of each token in the decoded text of `ids`."""
+    offsets, end = [], 0
+    for k in range(len(ids)):
+        new_end = len(tokenizer.decode(list(ids[: k + 1])))
+        offsets.append((end, new_end))
+        end = new_end
+    return offsets
+
+
+def value_group(key: str, value: Any) -> str:
+    """What a value is grouped by: an email's domain, otherwise the value itself."""
+    text = str(value)
+    return text.split("@", 1)[1] if key == "email" and "@" in text else text
+
+
+Miss = tuple[str, str] | None  # the first value token the model got wrong: (expected, its top choice)
+
+
+def probe_episode(model: torch.nn.Module, encoder: ChatEncoder, result: EpisodeResult) -> dict[str, Miss]:
+    """For each report field, teacher-forced: None when every token of its value is the model's
+    top choice, else the first token it missed and what it preferred."""
+    messages, tools = result.conversation.messages, result.conversation.tools
+    ids, mask = encoder.encode_demo(messages, tools)
+    answer = str(messages[-1]["content"])
+    # the last assistant turn: the sampled ids after the last unsampled one, minus end-of-turn
+    first = max(i for i, m in enumerate(mask) if m == 0) + 1
+    answer_ids = ids[first:-1]
+    if encoder.tokenizer.decode(answer_ids) != answer:
+        raise ValueError("the answer's tokens do not decode to its text")
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0]
+    top = logits.argmax(-1).tolist()  # top[j] predicts ids[j + 1]
+    offsets = token_offsets(encoder.tokenizer, answer_ids)
+    decode = encoder.tokenizer.decode
+    misses: dict[str, Miss] = {}
+    for key, (start, end) in value_spans(answer, report_values(answer)).items():
+        positions = [first + k for k, (a, b) in enumerate(offsets) if a < end and b > start]
+        wrong = next((j for j in positions if top[j - 1] != ids[j]), None)
+        misses[key] = None if wrong is None else (decode([ids[wrong]]), decode([top[wrong - 1]]))
+    return misses
+
+
+def tally(rows: Sequence[tuple[dict[str, Any], dict[str, Miss]]], *, confusions: int = 5) -> dict[str, Any]:
+    """Per field: how often the value was copied, overall and per value group (few-valued fields),
+    and its most common misses as `expected -> preferred` token counts."""
+    by_field: dict[str, list[tuple[str, bool]]] = defaultdict(list)
+    missed: dict[str, Counter[str]] = defaultdict(Counter)
+    for values, misses in rows:
+        for key, miss in misses.items():
+            by_field[key].append((value_group(key, values[key]), miss is None))
+            if miss is not None:
+                missed[key][f"{miss[0]!r} -> {miss[1]!r}"] += 1
+    out: dict[str, Any] = {}
+    for key, cells in sorted(by_field.items()):
+        entry: dict[str, Any] = {
+            "n": len(cells),
+            "copied": round(sum(ok for _, ok in cells) / len(cells), 3),
+            "top_misses": dict(missed[key].most_common(confusions)),
+        }
+        groups: dict[str, list[bool]] = defaultdict(list)
+        for group, ok in cells:
+            groups[group].append(ok)
+        if len(groups) <= MAX_GROUPS:
+            entry["by_value"] = {g: {"n": len(oks), "copied": round(sum(oks) / len(oks), 3)} for g, oks in sorted(groups.items())}
+        out[key] = entry
+    return out
+
+
+def probe(model_dirs: Sequence[str], env_id: str, env_kwargs: dict[str, Any], seeds: Sequence[int]) -> dict[str, Any]:
+    """Run the oracle on `seeds` (test split unless set), then probe every model on its transcripts."""
+    kwargs = {"split": "test", **env_kwargs}
+    solved = [r for r in run_episodes(lambda: make(env_id, **kwargs), ScriptedPolicy("oracle"), list(seeds), batch_size=len(seeds)) if r.success]
+    report: dict[str, Any] = {"env": env_id, "env_kwargs": kwargs, "episodes": len(solved), "models": {}}
+    for path in model_dirs:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path).eval()
+        encoder = ChatEncoder(tokenizer)
+        rows = [(report_values(str(r.conversation.messages[-1]["content"])), probe_episode(model, encoder, r)) for r in solved]
+        report["models"][path] = tally(rows)
+    return report
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", action="append", required=True, help="a model directory; repeat to compare")
+    parser.add_argument("--env", default="cgym/ApiReport-v0")
+    parser.add_argument("--env-kwargs", type=json.loads, default={}, help='JSON, e.g. \'{"difficulty": "easy"}\'')
+    parser.add_argument("--episodes", type=int, default=300)
+    parser.add_argument("--seed", type=int, default=10_000, help="first test seed (the trainer's evaluation seeds by default)")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    if args.episodes < 1:
+        parser.error("--episodes must be >= 1")
+    emit(probe(args.model, args.env, args.env_kwargs, range(args.seed, args.seed + args.episodes)), args.json)
+
+
+if __name__ == "__main__":
+    main()
