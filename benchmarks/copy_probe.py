@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
@@ -75,12 +76,16 @@ def value_group(key: str, value: Any) -> str:
     return text.split("@", 1)[1] if key == "email" and "@" in text else text
 
 
-Miss = tuple[str, str] | None  # the first value token the model got wrong: (expected, its top choice)
+class FieldProbe(NamedTuple):
+    """One report value, teacher-forced: the first of its tokens the model got wrong, as
+    (expected, the model's top choice), or None; and the probability the model gives the value."""
+
+    miss: tuple[str, str] | None
+    p: float
 
 
-def probe_episode(model: torch.nn.Module, encoder: ChatEncoder, result: EpisodeResult) -> dict[str, Miss]:
-    """For each report field, teacher-forced: None when every token of its value is the model's
-    top choice, else the first token it missed and what it preferred."""
+def probe_episode(model: torch.nn.Module, encoder: ChatEncoder, result: EpisodeResult) -> dict[str, FieldProbe]:
+    """Probe every field of the episode's final report."""
     messages, tools = result.conversation.messages, result.conversation.tools
     ids, mask = encoder.encode_demo(messages, tools)
     answer = str(messages[-1]["content"])
@@ -90,42 +95,46 @@ def probe_episode(model: torch.nn.Module, encoder: ChatEncoder, result: EpisodeR
     if encoder.tokenizer.decode(answer_ids) != answer:
         raise ValueError("the answer's tokens do not decode to its text")
     with torch.no_grad():
-        logits = model(torch.tensor([ids])).logits[0]
-    top = logits.argmax(-1).tolist()  # top[j] predicts ids[j + 1]
+        logp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    top = logp.argmax(-1).tolist()  # top[j] predicts ids[j + 1]
     offsets = token_offsets(encoder.tokenizer, answer_ids)
     decode = encoder.tokenizer.decode
-    misses: dict[str, Miss] = {}
+    probes: dict[str, FieldProbe] = {}
     for key, (start, end) in value_spans(answer, report_values(answer)).items():
         positions = [first + k for k, (a, b) in enumerate(offsets) if a < end and b > start]
         wrong = next((j for j in positions if top[j - 1] != ids[j]), None)
-        misses[key] = None if wrong is None else (decode([ids[wrong]]), decode([top[wrong - 1]]))
-    return misses
+        miss = None if wrong is None else (decode([ids[wrong]]), decode([top[wrong - 1]]))
+        probes[key] = FieldProbe(miss, math.exp(sum(float(logp[j - 1, ids[j]]) for j in positions)))
+    return probes
 
 
-def tally(rows: Sequence[tuple[dict[str, Any], dict[str, Miss]]], *, confusions: int = 5) -> dict[str, Any]:
-    """Per field: how often the value was copied, overall and per value group (few-valued fields),
-    and its most common misses as `expected -> preferred` token counts."""
-    by_field: dict[str, list[tuple[str, bool]]] = defaultdict(list)
-    missed: dict[str, Counter[str]] = defaultdict(Counter)
-    for values, misses in rows:
-        for key, miss in misses.items():
-            by_field[key].append((value_group(key, values[key]), miss is None))
-            if miss is not None:
-                missed[key][f"{miss[0]!r} -> {miss[1]!r}"] += 1
+def tally(rows: Sequence[tuple[dict[str, Any], dict[str, FieldProbe]]], *, confusions: int = 5) -> dict[str, Any]:
+    """Per field: how often the value was copied (all its tokens the top choice) and the mean
+    probability of the right value, overall and per value group for few-valued fields; and the
+    most common misses as `expected -> preferred` token counts."""
+    by_field: dict[str, list[tuple[str, FieldProbe]]] = defaultdict(list)
+    for values, probes in rows:
+        for key, field_probe in probes.items():
+            by_field[key].append((value_group(key, values[key]), field_probe))
     out: dict[str, Any] = {}
     for key, cells in sorted(by_field.items()):
-        entry: dict[str, Any] = {
-            "n": len(cells),
-            "copied": round(sum(ok for _, ok in cells) / len(cells), 3),
-            "top_misses": dict(missed[key].most_common(confusions)),
-        }
-        groups: dict[str, list[bool]] = defaultdict(list)
-        for group, ok in cells:
-            groups[group].append(ok)
+        missed = Counter(f"{c.miss[0]!r} -> {c.miss[1]!r}" for _, c in cells if c.miss is not None)
+        entry: dict[str, Any] = {**_rates([c for _, c in cells]), "top_misses": dict(missed.most_common(confusions))}
+        groups: dict[str, list[FieldProbe]] = defaultdict(list)
+        for group, cell in cells:
+            groups[group].append(cell)
         if len(groups) <= MAX_GROUPS:
-            entry["by_value"] = {g: {"n": len(oks), "copied": round(sum(oks) / len(oks), 3)} for g, oks in sorted(groups.items())}
+            entry["by_value"] = {group: _rates(cells) for group, cells in sorted(groups.items())}
         out[key] = entry
     return out
+
+
+def _rates(cells: Sequence[FieldProbe]) -> dict[str, Any]:
+    return {
+        "n": len(cells),
+        "copied": round(sum(c.miss is None for c in cells) / len(cells), 3),
+        "p_value": round(sum(c.p for c in cells) / len(cells), 3),
+    }
 
 
 def probe(model_dirs: Sequence[str], env_id: str, env_kwargs: dict[str, Any], seeds: Sequence[int]) -> dict[str, Any]:

@@ -9,7 +9,7 @@ import torch
 from agents.chat import ChatEncoder
 from agents.episodes import run_episodes
 from agents.scripted import ScriptedPolicy
-from benchmarks.copy_probe import probe, probe_episode, report_values, tally, value_group, value_spans
+from benchmarks.copy_probe import FieldProbe, probe, probe_episode, report_values, tally, value_group, value_spans
 from envs.registration import make
 
 
@@ -27,17 +27,19 @@ def test_report_values_and_spans_point_at_each_value() -> None:
 def test_emails_group_by_domain_and_tally_splits_few_valued_fields() -> None:
     assert value_group("email", "ana@mail.example.org") == "mail.example.org"
     assert value_group("tier", "gold") == "gold"
+    ok, p = FieldProbe(None, 0.9), FieldProbe(None, 0.7)
     rows = [
-        ({"tier": "standard", "id": 1}, {"tier": None, "id": None}),
-        ({"tier": "standard", "id": 2}, {"tier": None, "id": ("2", "1")}),
-        ({"tier": "gold", "id": 3}, {"tier": ("gold", "standard"), "id": None}),
+        ({"tier": "standard", "id": 1}, {"tier": ok, "id": ok}),
+        ({"tier": "standard", "id": 2}, {"tier": p, "id": FieldProbe(("2", "1"), 0.2)}),
+        ({"tier": "gold", "id": 3}, {"tier": FieldProbe(("gold", "standard"), 0.1), "id": ok}),
     ]
     out = tally(rows)
     assert out["tier"]["copied"] == pytest.approx(2 / 3, abs=1e-3)
-    assert out["tier"]["by_value"] == {"gold": {"n": 1, "copied": 0.0}, "standard": {"n": 2, "copied": 1.0}}
+    assert out["tier"]["p_value"] == pytest.approx(1.7 / 3, abs=1e-3)
+    assert out["tier"]["by_value"] == {"gold": {"n": 1, "copied": 0.0, "p_value": 0.1}, "standard": {"n": 2, "copied": 1.0, "p_value": 0.8}}
     assert out["tier"]["top_misses"] == {"'gold' -> 'standard'": 1}
     assert "by_value" in out["id"]  # three distinct values: still few
-    many = [({"id": i}, {"id": None}) for i in range(20)]
+    many = [({"id": i}, {"id": ok}) for i in range(20)]
     assert "by_value" not in tally(many)["id"]
 
 
@@ -67,13 +69,16 @@ def test_probe_episode_finds_the_value_token_a_model_misses(tiny_chat_model: Pat
     )
     ids, _ = encoder.encode_demo(result.conversation.messages, result.conversation.tools)
     vocab = len(encoder.tokenizer)
-    misses = probe_episode(_Echo(ids, vocab), encoder, result)
-    assert misses == {"customer_id": None, "email": None, "city": None}
+    clean = probe_episode(_Echo(ids, vocab), encoder, result)
+    assert {key: p.miss for key, p in clean.items()} == {"customer_id": None, "email": None, "city": None}
+    # one-hot logits of 1.0: each value token gets e / (e + vocab - 1)
+    assert all(0.0 < p.p < 1.0 for p in clean.values())
 
     at = max(j for j, token in enumerate(ids) if "@" in encoder.tokenizer.decode([token]))  # the answer's email
-    misses = probe_episode(_Echo(ids, vocab, wrong_at=at), encoder, result)
-    assert misses["customer_id"] is None and misses["city"] is None
-    expected, preferred = misses["email"]
+    probes = probe_episode(_Echo(ids, vocab, wrong_at=at), encoder, result)
+    assert probes["customer_id"].miss is None and probes["city"].miss is None
+    assert probes["email"].p < clean["email"].p and probes["city"].p == clean["city"].p
+    expected, preferred = probes["email"].miss
     assert expected == encoder.tokenizer.decode([ids[at]]) and preferred == encoder.tokenizer.decode([(ids[at] + 1) % vocab])
 
 
