@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from agents.chat import ChatEncoder
+from agents.copy_probe import FieldProbe, probe_episode, report_values, tally, value_group, value_spans
 from agents.episodes import run_episodes
 from agents.scripted import ScriptedPolicy
-from benchmarks.copy_probe import FieldProbe, probe, probe_episode, report_values, tally, value_group, value_spans
 from envs.registration import make
 
 
@@ -80,12 +80,3 @@ def test_probe_episode_finds_the_value_token_a_model_misses(tiny_chat_model: Pat
     assert probes["email"].p < clean["email"].p and probes["city"].p == clean["city"].p
     expected, preferred = probes["email"].miss
     assert expected == encoder.tokenizer.decode([ids[at]]) and preferred == encoder.tokenizer.decode([(ids[at] + 1) % vocab])
-
-
-@pytest.mark.slow
-def test_probe_runs_end_to_end_on_a_saved_model(tiny_chat_model: Path) -> None:
-    report = probe([str(tiny_chat_model)], "cgym/ApiReport-v0", {"difficulty": "easy"}, range(10_000, 10_004))
-    assert report["episodes"] == 4
-    fields = report["models"][str(tiny_chat_model)]
-    assert {"customer_id", "city"} <= set(fields) or {"customer_id", "tier"} <= set(fields)
-    assert all(0.0 <= f["copied"] <= 1.0 for f in fields.values())
