@@ -49,6 +49,7 @@ class QuickstartPlan:
 
 def run(out: Path, plan: QuickstartPlan = QuickstartPlan(), *, console: Console | None = None) -> dict[str, Any]:
     """Run every phase; returns the timings and the before/after figures."""
+    from agents.copy_probe import oracle_transcripts, probe_model
     from agents.demos import demonstrations
     from agents.evaluate import EvalConfig
     from agents.guard import GuardedPolicy
@@ -58,7 +59,7 @@ def run(out: Path, plan: QuickstartPlan = QuickstartPlan(), *, console: Console 
     from trainer.config import TrainConfig
     from trainer.grpo import train
     from trainer.pipeline import build_embedded_model
-    from trainer.report import write_reports
+    from trainer.report import copy_probe_html, copy_probe_md, write_reports
 
     console = console or Console()
     out = Path(out)
@@ -93,16 +94,23 @@ def run(out: Path, plan: QuickstartPlan = QuickstartPlan(), *, console: Console 
     console.rule("4/4 compare prompt-only, guarded and trained on the same test episodes")
     eval_config = EvalConfig(ENV_ID, {**env_kwargs, "split": "test"}, episodes=plan.eval_episodes, seed=10_000, batch_size=100)
     sft_policy = HFPolicy.from_pretrained(out / "sft", temperature=0.0, max_new_tokens=config.max_new_tokens, seed=0)
+    trained_policy = HFPolicy.from_pretrained(trained["final"], temperature=0.0, max_new_tokens=config.max_new_tokens, seed=0)
     arms = [
         ("prompt-only (SFT)", sft_policy),
         ("guarded (SFT + validation/retry)", GuardedPolicy(HFPolicy(sft_policy.model, sft_policy.tokenizer, temperature=0.0, max_new_tokens=config.max_new_tokens, seed=1))),
-        ("trained (GRPO)", HFPolicy.from_pretrained(trained["final"], temperature=0.0, max_new_tokens=config.max_new_tokens, seed=0)),
+        ("trained (GRPO)", trained_policy),
     ]
     result = compare(arms, eval_config, on_arm=lambda label: console.print(f"evaluating {label} ..."))
+    console.print("probing: does each model copy the report's values or guess them ...")
+    transcripts = oracle_transcripts(ENV_ID, env_kwargs, range(eval_config.seed, eval_config.seed + plan.eval_episodes))
+    probes = {label: probe_model(policy.model, policy.tokenizer, transcripts) for label, policy in (arms[0], arms[2])}
     phase("compare")
     timings["total"] = round(time.perf_counter() - started, 1)
-    summary = _summary(result, timings)
-    paths = write_reports(result, out, title="critique-gym quickstart: prompt-only vs guarded vs trained", extra_images=[out / "grpo" / "curve.png"], extra_md=_timing_md(summary))
+    summary = {**_summary(result, timings), "copy_probe": probes}
+    paths = write_reports(
+        result, out, title="critique-gym quickstart: prompt-only vs guarded vs trained", extra_images=[out / "grpo" / "curve.png"],
+        extra_md=copy_probe_md(probes, len(transcripts)) + "\n\n" + _timing_md(summary), extra_html=copy_probe_html(probes, len(transcripts)),
+    )  # fmt: skip
     (out / "quickstart.json").write_text(json.dumps(summary, indent=2))
     console.print(f"before {summary['before_success']:.1%} -> after {summary['after_success']:.1%} test success, in {timings['total']:.0f}s")
     if summary["before_success"] < PLATEAU_SUCCESS:

@@ -66,8 +66,8 @@ def markdown_report(result: dict[str, Any], *, extra: str = "") -> str:
     return "\n".join(lines + ([""] + [extra] if extra else [])) + "\n"
 
 
-def html_report(result: dict[str, Any], images: list[Path], *, title: str = "critique-gym report") -> str:
-    """The self-contained page: summary table, plots, browsable disagreements."""
+def html_report(result: dict[str, Any], images: list[Path], *, title: str = "critique-gym report", extra_html: str = "") -> str:
+    """The self-contained page: summary table, plots, `extra_html`, browsable disagreements."""
     labels = result["labels"]
     first, last = labels[0], labels[-1]
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{_e(title)}</title><style>{_CSS}</style></head><body>"]
@@ -76,11 +76,50 @@ def html_report(result: dict[str, Any], images: list[Path], *, title: str = "cri
     for image in images:
         data = base64.b64encode(Path(image).read_bytes()).decode()
         parts.append(f"<figure><img class='plot' alt='{_e(Path(image).stem)}' src='data:image/png;base64,{data}'><figcaption>{_e(Path(image).stem)}</figcaption></figure>")
+    parts.append(extra_html)
     parts.append(f"<h2>Episodes where {_e(first)} and {_e(last)} disagree ({len(result['disagreements'])})</h2>")
     for i, row in enumerate(result["disagreements"]):
         parts.append(_disagreement(row, first, last, open_=i == 0))
     parts.append(f"<script>{_JS}</script></body></html>")
     return "".join(parts)
+
+
+COPY_PROBE_NOTE = (
+    "Each model is fed the oracle's transcripts of the test episodes; a value counts as copied when every one of its "
+    "tokens is the model's top choice. A few-valued field that is right only for its common value is guessed from "
+    "the prior, not read from the tool result."
+)
+
+
+def copy_probe_rows(probes: dict[str, dict[str, Any]]) -> list[tuple[str, str, int, list[float]]]:
+    """(field, value, count, share copied by each model): one row per value of the few-valued
+    fields, one ("all") for the others; `probes` maps a label to `agents.copy_probe.tally` output."""
+    first = next(iter(probes.values()), {})
+    rows = []
+    for field, entry in first.items():
+        for value, cell in (entry.get("by_value") or {"all": entry}).items():
+            shares = [(tally[field].get("by_value") or {"all": tally[field]})[value]["copied"] for tally in probes.values()]
+            rows.append((field, value, cell["n"], shares))
+    return rows
+
+
+def copy_probe_md(probes: dict[str, dict[str, Any]], episodes: int) -> str:
+    header = "| field | value | n | " + " | ".join(probes) + " |"
+    lines = [f"## Copying or guessing ({episodes} oracle transcripts)", "", COPY_PROBE_NOTE, "", header, "|" + "---|" * (3 + len(probes))]
+    lines += [f"| {field} | {value} | {n} | " + " | ".join(f"{share:.0%}" for share in shares) + " |" for field, value, n, shares in copy_probe_rows(probes)]
+    return "\n".join(lines)
+
+
+def copy_probe_html(probes: dict[str, dict[str, Any]], episodes: int) -> str:
+    head = "".join(f"<th>{_e(label)}</th>" for label in probes)
+    rows = "".join(
+        f"<tr><td>{_e(field)}</td><td>{_e(value)}</td><td>{n}</td>" + "".join(f"<td>{share:.0%}</td>" for share in shares) + "</tr>"
+        for field, value, n, shares in copy_probe_rows(probes)
+    )
+    return (
+        f"<h2>Copying or guessing ({episodes} oracle transcripts)</h2><p>{_e(COPY_PROBE_NOTE)}</p>"
+        f"<table id='copy-probe'><thead><tr><th>field</th><th>value</th><th>n</th>{head}</tr></thead><tbody>{rows}</tbody></table>"
+    )
 
 
 def _summary_table(result: dict[str, Any]) -> str:
@@ -152,12 +191,14 @@ var t=document.getElementById('summary');document.body.setAttribute('data-summar
 """
 
 
-def write_reports(result: dict[str, Any], out: Path, *, title: str, extra_images: list[Path] | None = None, extra_md: str = "") -> dict[str, Path]:
+def write_reports(
+    result: dict[str, Any], out: Path, *, title: str, extra_images: list[Path] | None = None, extra_md: str = "", extra_html: str = ""
+) -> dict[str, Path]:
     """compare.json, compare.png, report.md and report.html under `out`."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "compare.json").write_text(json.dumps(result, indent=2, default=str))
     plot = plot_comparison(result, out / "compare.png")
     images = [plot, *(extra_images or [])]
     (out / "report.md").write_text(markdown_report(result, extra=extra_md))
-    (out / "report.html").write_text(html_report(result, images, title=title))
+    (out / "report.html").write_text(html_report(result, images, title=title, extra_html=extra_html))
     return {"json": out / "compare.json", "png": plot, "md": out / "report.md", "html": out / "report.html"}
