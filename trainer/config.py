@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from trainer.losses import ADVANTAGE_SCALES, LOSS_TYPES, AdvantageScale, LossType, check_loss_type
 
 ZeroStd = Literal["keep", "drop", "resample"]
 Trainable = Literal["all", "attention", "no_embeddings"]
-TRAINABLE: tuple[str, ...] = ("all", "attention", "no_embeddings")
+TRAINABLE: tuple[str, ...] = get_args(Trainable)
 CRITIQUE_STYLES = ("none", "indicative", "ground_truth", "step")
 
 

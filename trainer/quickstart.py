@@ -48,7 +48,7 @@ class QuickstartPlan:
 
 
 def run(out: Path, plan: QuickstartPlan = QuickstartPlan(), *, console: Console | None = None) -> dict[str, Any]:
-    """Run every phase; returns the timings and the before/after figures."""
+    """Run every phase; returns the timings, the before/after figures and the copy probe."""
     from agents.copy_probe import oracle_transcripts, probe_model
     from agents.demos import demonstrations
     from agents.evaluate import EvalConfig
