@@ -23,20 +23,18 @@ from transformers import PreTrainedTokenizerBase
 from agents.chat import ChatEncoder
 from agents.episodes import EpisodeResult, run_episodes
 from agents.scripted import ScriptedPolicy
+from envs.api_report.checks import extract_report
 from envs.registration import make
 
 MAX_GROUPS = 8  # fields with at most this many distinct values are broken down by value
 
 
 def report_values(answer: str) -> dict[str, Any]:
-    """The JSON object a report answer ends with (a one-line summary may precede it)."""
-    start = answer.find("{")
-    if start < 0:
-        raise ValueError(f"no JSON object in the answer: {answer!r}")
-    values = json.loads(answer[start:])
-    if not isinstance(values, dict):
-        raise ValueError(f"the answer's JSON is not an object: {answer!r}")
-    return values
+    """The JSON report in a final answer, parsed as the env's checks parse it."""
+    report = extract_report(answer)
+    if report.data is None:
+        raise ValueError(f"{report.error}: {answer!r}")
+    return report.data
 
 
 def value_spans(answer: str, values: dict[str, Any]) -> dict[str, tuple[int, int]]:
@@ -70,9 +68,10 @@ def value_group(key: str, value: Any) -> str:
 
 
 class FieldProbe(NamedTuple):
-    """One report value, teacher-forced: the first of its tokens the model got wrong, as
-    (expected, the model's top choice), or None; and the probability the model gives the value."""
+    """One report value, teacher-forced: the value, the first of its tokens the model got wrong
+    as (expected, the model's top choice) or None, and the probability the model gives it."""
 
+    value: Any
     miss: tuple[str, str] | None
     p: float
 
@@ -92,23 +91,24 @@ def probe_episode(model: torch.nn.Module, encoder: ChatEncoder, result: EpisodeR
     top = logp.argmax(-1).tolist()  # top[j] predicts ids[j + 1]
     offsets = token_offsets(encoder.tokenizer, answer_ids)
     decode = encoder.tokenizer.decode
+    values = report_values(answer)
     probes: dict[str, FieldProbe] = {}
-    for key, (start, end) in value_spans(answer, report_values(answer)).items():
+    for key, (start, end) in value_spans(answer, values).items():
         positions = [first + k for k, (a, b) in enumerate(offsets) if a < end and b > start]
         wrong = next((j for j in positions if top[j - 1] != ids[j]), None)
         miss = None if wrong is None else (decode([ids[wrong]]), decode([top[wrong - 1]]))
-        probes[key] = FieldProbe(miss, math.exp(sum(float(logp[j - 1, ids[j]]) for j in positions)))
+        probes[key] = FieldProbe(values[key], miss, math.exp(sum(float(logp[j - 1, ids[j]]) for j in positions)))
     return probes
 
 
-def tally(rows: Sequence[tuple[dict[str, Any], dict[str, FieldProbe]]], *, confusions: int = 5) -> dict[str, Any]:
+def tally(rows: Sequence[dict[str, FieldProbe]], *, confusions: int = 5) -> dict[str, Any]:
     """Per field: how often the value was copied (all its tokens the top choice) and the mean
     probability of the right value, overall and per value group for few-valued fields; and the
     most common misses as `expected -> preferred` token counts."""
     by_field: dict[str, list[tuple[str, FieldProbe]]] = defaultdict(list)
-    for values, probes in rows:
+    for probes in rows:
         for key, field_probe in probes.items():
-            by_field[key].append((value_group(key, values[key]), field_probe))
+            by_field[key].append((value_group(key, field_probe.value), field_probe))
     out: dict[str, Any] = {}
     for key, cells in sorted(by_field.items()):
         missed = Counter(f"{c.miss[0]!r} -> {c.miss[1]!r}" for _, c in cells if c.miss is not None)
@@ -140,5 +140,4 @@ def oracle_transcripts(env_id: str, env_kwargs: dict[str, Any], seeds: Sequence[
 def probe_model(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, transcripts: Sequence[EpisodeResult]) -> dict[str, Any]:
     """`tally` of one model over the oracle's transcripts."""
     encoder = ChatEncoder(tokenizer)
-    rows = [(report_values(str(r.conversation.messages[-1]["content"])), probe_episode(model, encoder, r)) for r in transcripts]
-    return tally(rows)
+    return tally([probe_episode(model, encoder, r) for r in transcripts])

@@ -27,11 +27,10 @@ def test_report_values_and_spans_point_at_each_value() -> None:
 def test_emails_group_by_domain_and_tally_splits_few_valued_fields() -> None:
     assert value_group("email", "ana@mail.example.org") == "mail.example.org"
     assert value_group("tier", "gold") == "gold"
-    ok, p = FieldProbe(None, 0.9), FieldProbe(None, 0.7)
     rows = [
-        ({"tier": "standard", "id": 1}, {"tier": ok, "id": ok}),
-        ({"tier": "standard", "id": 2}, {"tier": p, "id": FieldProbe(("2", "1"), 0.2)}),
-        ({"tier": "gold", "id": 3}, {"tier": FieldProbe(("gold", "standard"), 0.1), "id": ok}),
+        {"tier": FieldProbe("standard", None, 0.9), "id": FieldProbe(1, None, 0.9)},
+        {"tier": FieldProbe("standard", None, 0.7), "id": FieldProbe(2, ("2", "1"), 0.2)},
+        {"tier": FieldProbe("gold", ("gold", "standard"), 0.1), "id": FieldProbe(3, None, 0.9)},
     ]
     out = tally(rows)
     assert out["tier"]["copied"] == pytest.approx(2 / 3, abs=1e-3)
@@ -39,7 +38,7 @@ def test_emails_group_by_domain_and_tally_splits_few_valued_fields() -> None:
     assert out["tier"]["by_value"] == {"gold": {"n": 1, "copied": 0.0, "p_value": 0.1}, "standard": {"n": 2, "copied": 1.0, "p_value": 0.8}}
     assert out["tier"]["top_misses"] == {"'gold' -> 'standard'": 1}
     assert "by_value" in out["id"]  # three distinct values: still few
-    many = [({"id": i}, {"id": ok}) for i in range(20)]
+    many = [{"id": FieldProbe(i, None, 0.9)} for i in range(20)]
     assert "by_value" not in tally(many)["id"]
 
 
