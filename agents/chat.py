@@ -18,6 +18,7 @@ newline the template puts after it comes with the next env delta).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -39,12 +40,19 @@ class ChatEncoder:
         self.tokenizer = tokenizer
         self.end_of_turn = end_of_turn or end_of_turn_token(tokenizer)
         self.end_of_turn_id = _single_token_id(tokenizer, self.end_of_turn)
+        self.tools_in_system = not template_renders_tools(tokenizer)
 
     # -- rendering -------------------------------------------------------------------------
     def render(
         self, messages: Sequence[Message], tools: Sequence[dict[str, Any]], generation_prompt: bool
     ) -> str:
-        """The chat template's text for `messages` (tools passed only when there are any)."""
+        """The chat template's text for `messages` (tools passed only when there are any).
+
+        A template without a tools section (SmolLM2's) would drop the schemas silently, so they
+        go into the system message instead, in the Hermes/Qwen layout (`with_tools_in_system`).
+        """
+        if self.tools_in_system and tools:
+            messages, tools = with_tools_in_system(messages, tools), ()
         return self.tokenizer.apply_chat_template(
             list(messages),
             tools=list(tools) or None,
@@ -162,6 +170,40 @@ class ChatEncoder:
                 f"the chat template does not close assistant turns with {self.end_of_turn!r}"
             )
         return text[: cut + len(self.end_of_turn)]
+
+
+TOOLS_PREAMBLE = (
+    "# Tools\n\nYou can call the functions whose JSON schemas are listed inside <tools></tools>:\n<tools>\n"
+)
+TOOLS_USAGE = (
+    "\n</tools>\n\nTo call a function, reply with a JSON object holding its name and arguments "
+    "inside <tool_call></tool_call> tags (one block per call):\n"
+    '<tool_call>\n{"name": "<function-name>", "arguments": {<arguments as JSON>}}\n</tool_call>'
+)
+
+
+def tools_block(tools: Sequence[dict[str, Any]]) -> str:
+    """The Hermes/Qwen tools section: one schema per line inside <tools></tools>, then how to call."""
+    return TOOLS_PREAMBLE + "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools) + TOOLS_USAGE
+
+
+def with_tools_in_system(messages: Sequence[Message], tools: Sequence[dict[str, Any]]) -> list[Message]:
+    """`messages` with the tools section appended to the system message (or as a new one)."""
+    block = tools_block(tools)
+    if messages and messages[0].get("role") == "system":
+        return [{**messages[0], "content": f"{messages[0].get('content') or ''}\n\n{block}"}, *messages[1:]]
+    return [{"role": "system", "content": block}, *messages]
+
+
+def template_renders_tools(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether the chat template shows tool schemas at all (a probe schema must change its text)."""
+    probe = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+    tool = {"type": "function", "function": {"name": "cgym_probe_tool", "description": "", "parameters": {"type": "object", "properties": {}}}}
+    try:
+        with_tool = tokenizer.apply_chat_template(probe, tools=[tool], tokenize=False)
+    except Exception:  # noqa: BLE001 - a template that chokes on tools cannot render them either
+        return False
+    return with_tool != tokenizer.apply_chat_template(probe, tokenize=False)
 
 
 def end_of_turn_token(tokenizer: PreTrainedTokenizerBase) -> str:

