@@ -22,6 +22,8 @@ from transformers import (
 
 from agents.base import Conversation, Turn
 from agents.chat import ChatEncoder
+from agents.kv_cache import PrefixCache
+from agents.precision import SamplingWeights
 from agents.pretrained import resolve_model
 from agents.sampling import Sample, SamplingParams, sample_batch
 
@@ -52,6 +54,8 @@ class HFPolicy:
         self.model = model.to(device).eval()
         self.tokenizer = tokenizer
         self.encoder = ChatEncoder(tokenizer)
+        self.prefix_cache = PrefixCache()  # the system prompt's keys/values, shared by every episode
+        self.sampling_weights = SamplingWeights(self.model)
         self.generator = torch.Generator(device=device)
         if seed is None:
             self.generator.seed()
@@ -92,13 +96,16 @@ class HFPolicy:
         for conv in batch:
             self.encoder.sync(conv)
         pad_id = self.tokenizer.pad_token_id
+        if self.sampling_weights.model is not self.model:  # the model was swapped (e.g. wrapped in LoRA)
+            self.sampling_weights = SamplingWeights(self.model)
         samples = sample_batch(
-            self.model,
+            self.sampling_weights.get(),
             [conv.token_ids for conv in batch],
             params=self.params,
             stop_ids=self.stop_ids,
             pad_id=pad_id if pad_id is not None else self.encoder.end_of_turn_id,
             generator=self.generator,
+            prefix_cache=self.prefix_cache,
         )
         return [self._record(conv, sample) for conv, sample in zip(batch, samples, strict=True)]
 

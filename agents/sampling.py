@@ -19,6 +19,8 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
 
+from agents.kv_cache import PrefixCache, growing_cache
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -179,24 +181,28 @@ def sample_batch(
     stop_ids: Collection[int],
     pad_id: int,
     generator: torch.Generator | None = None,
+    prefix_cache: PrefixCache | None = None,
+    share_prefix: bool = True,
 ) -> list[Sample]:
     """Sample one continuation per prompt, stopping each row at a stop id or max_new_tokens.
 
     Log-probs are those of `log_softmax(logits / temperature)` (temperature 1 when greedy); the
     top-p filter changes which tokens can be drawn but is not reflected in the stored log-probs.
+    The leading ids that every prompt shares are run once, with batch 1, and reach every row
+    through the KV cache (rows are laid out `[shared | left padding | own ids | sampled]`);
+    `prefix_cache` keeps that prefix's keys and values for the next call with the same weights.
     """
     if not prompts:
         return []
+    if min(len(p) for p in prompts) == 0:
+        raise ValueError("cannot sample from an empty prompt")
     device = model.device
     steps = params.max_new_tokens
-    input_ids, mask = _left_pad(prompts, pad_id, steps, device)  # (B, L), (B, L + steps)
-    prompt_len = input_ids.shape[1]
-    positions = position_ids_from_mask(mask[:, :prompt_len])
-    cache = _new_cache(model)
-    logits = _next_logits(model, input_ids, mask[:, :prompt_len], positions, cache)  # (B, V)
-    next_pos = positions[:, -1:] + 1  # (b, 1)
+    shared = common_prefix_len(prompts) if share_prefix else 0
+    cache, mask, logits, next_pos = _prefill(model, prompts, shared, steps, pad_id, prefix_cache)
 
     batch = len(prompts)
+    prompt_width = mask.shape[1] - steps
     out_ids = torch.full((batch, steps), pad_id, dtype=torch.long, device=device)
     out_lp = torch.zeros((batch, steps), dtype=torch.float32, device=device)
     lengths = torch.full((batch,), steps, dtype=torch.long)
@@ -219,9 +225,67 @@ def sample_batch(
             cache.batch_select_indices(keep)
         if t + 1 == steps:
             break
-        logits = _next_logits(model, tok[:, None], mask[:, : prompt_len + t + 1], next_pos, cache)
+        logits = _next_logits(model, tok[:, None], mask[:, : prompt_width + t + 1], next_pos, cache)
         next_pos = next_pos + 1
     return _collect(out_ids.cpu(), out_lp.cpu(), lengths, stopped)
+
+
+def common_prefix_len(prompts: Sequence[Sequence[int]]) -> int:
+    """Leading ids that all prompts share, leaving each prompt at least one id of its own."""
+    first, limit = prompts[0], min(len(p) for p in prompts) - 1
+    n = 0
+    while n < limit and all(p[n] == first[n] for p in prompts):
+        n += 1
+    return n
+
+
+def _prefill(
+    model: PreTrainedModel,
+    prompts: Sequence[Sequence[int]],
+    shared: int,
+    steps: int,
+    pad_id: int,
+    prefix_cache: PrefixCache | None,
+) -> tuple[Any, Tensor, Tensor, Tensor]:
+    """Fill the cache with the prompts; returns (cache, (B, W + steps) mask, (B, V) logits of
+    each row's last prompt position, (B, 1) position of the first sampled token)."""
+    device = model.device
+    head = _prefix_cache_kv(model, prompts[0][:shared], prefix_cache) if shared >= MIN_SHARED_PREFIX else None
+    start = shared if head is not None else 0
+    suffix_ids, suffix_mask = _left_pad([p[start:] for p in prompts], pad_id, steps, device)  # (B, S), (B, S + steps)
+    cache = growing_cache(model)
+    mask = suffix_mask
+    if head is not None:
+        keys, values = head
+        capacity = start + suffix_mask.shape[1]
+        for layer, k, v in zip(cache.layers, keys, values):
+            layer.fill(k.expand(len(prompts), -1, -1, -1), v.expand(len(prompts), -1, -1, -1), capacity)
+        mask = torch.cat([torch.ones((len(prompts), start), dtype=torch.long, device=device), suffix_mask], 1)
+    width = mask.shape[1] - steps
+    positions = position_ids_from_mask(mask[:, :width])
+    logits = _next_logits(model, suffix_ids, mask[:, :width], positions[:, start:], cache)
+    return cache, mask, logits, positions[:, -1:] + 1
+
+
+def _prefix_cache_kv(model: PreTrainedModel, prefix: Sequence[int], prefix_cache: PrefixCache | None) -> tuple[list[Tensor], list[Tensor]]:
+    """Per-layer (1, H, len(prefix), D) keys and values of `prefix`, from `prefix_cache` where
+    it covers them; the rest is computed now and stored back."""
+    store = prefix_cache if prefix_cache is not None else PrefixCache()
+    known = store.lookup(model, prefix)
+    cache = growing_cache(model)
+    if known:
+        entry = store.entry
+        assert entry is not None
+        for layer, k, v in zip(cache.layers, entry.keys, entry.values):
+            layer.fill(k[:, :, :known], v[:, :, :known], len(prefix))
+    if known < len(prefix):
+        ids = torch.tensor([list(prefix[known:])], dtype=torch.long, device=model.device)
+        positions = torch.arange(known, len(prefix), device=model.device)[None]
+        _next_logits(model, ids, torch.ones((1, len(prefix)), dtype=torch.long, device=model.device), positions, cache)
+    if known != len(prefix) or known != len(store.entry.ids if store.entry else ()):
+        store.store(model, prefix, cache)
+    layers = [layer for layer in cache.layers if layer.is_initialized]
+    return [layer.keys for layer in layers], [layer.values for layer in layers]
 
 
 def _left_pad(
@@ -229,8 +293,6 @@ def _left_pad(
 ) -> tuple[Tensor, Tensor]:
     """Left-padded (B, L) ids and a (B, L + steps) mask whose generated columns are already 1."""
     width = max(len(p) for p in prompts)
-    if min(len(p) for p in prompts) == 0:
-        raise ValueError("cannot sample from an empty prompt")
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     mask = torch.ones((len(prompts), width + steps), dtype=torch.long)
     for row, prompt in enumerate(prompts):

@@ -28,6 +28,7 @@ from torch import Tensor
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from agents.chat import ChatEncoder
+from agents.precision import autocast
 from agents.pretrained import resolve_model
 from agents.sampling import sequence_logprobs
 
@@ -220,7 +221,8 @@ def _train(
             for group in optimizer.param_groups:
                 group["lr"] = lr * _schedule(done)
             ids, attention, loss_mask = collate(next(order), pad_id)
-            loss = sft_loss(model, ids, attention, loss_mask)
+            with autocast(model):
+                loss = sft_loss(model, ids, attention, loss_mask)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -6,6 +6,14 @@ from pathlib import Path
 
 import pytest
 
+from agents.precision import DTYPE_ENV
+
+
+@pytest.fixture(autouse=True)
+def fp32_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tests compare log-probs at 1e-4, so they run in fp32 unless a test asks for bf16."""
+    monkeypatch.setenv(DTYPE_ENV, "float32")
+
 
 @pytest.fixture(scope="session")
 def tiny_chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -24,6 +24,7 @@ from agents.critics import run_refinements
 from agents.episodes import run_episodes
 from agents.evaluate import EvalConfig, evaluate
 from agents.hf import HFPolicy
+from agents.precision import autocast
 from agents.sampling import sequence_logprobs
 from envs.registration import make
 from trainer.checkpoint import latest_checkpoint, load_state, save_checkpoint
@@ -233,18 +234,32 @@ def _update(state: TrainState, trajs: list[Trajectory], advantages: torch.Tensor
     pad = state.policy.tokenizer.pad_token_id or 0
     batch = pack(trajs, advantages, pad_id=pad)
     normalizer = token_normalizer(batch.mask, cfg.loss_type, state.max_completion_length)
-    totals: dict[str, float] = {"loss": 0.0, "clip_frac_low": 0.0, "clip_frac_high": 0.0, "kl": 0.0}
+    totals: dict[str, float] = {"loss": 0.0, "clip_frac_low": 0.0, "clip_frac_high": 0.0, "kl": 0.0, "sampler/logp_diff_max": 0.0}
+    # A bf16 sampler's log-probs differ from the training pass's by up to ~0.2 nats (measured on
+    # SmolLM2), which the clip would treat as policy change: then the old log-probs are the
+    # training pass's own, so the first iteration's ratio is exactly 1.
+    own_old = state.policy.sampling_weights.get() is not state.model
+    fixed_old: dict[int, torch.Tensor] = {}
     n_micro = 0
-    for _ in range(cfg.num_iterations):
+    for iteration in range(cfg.num_iterations):
         for start in range(0, len(trajs), cfg.micro_batch_size):
             mb = slice_batch(batch, slice(start, start + cfg.micro_batch_size))
-            logp = sequence_logprobs(state.model, mb.ids, mb.attention, cfg.temperature)
-            ref = None
-            if state.reference is not None:
-                with torch.no_grad():
-                    ref = sequence_logprobs(state.reference, mb.ids, mb.attention, cfg.temperature)
+            with autocast(state.model):  # logits only at sampled positions; log-softmax in fp32
+                logp = sequence_logprobs(state.model, mb.ids, mb.attention, cfg.temperature, mask=mb.mask)
+                ref = None
+                if state.reference is not None:
+                    with torch.no_grad():
+                        ref = sequence_logprobs(state.reference, mb.ids, mb.attention, cfg.temperature, mask=mb.mask)
+            old = mb.old_logp
+            if own_old:
+                if iteration == 0:
+                    fixed_old[start] = logp.detach()
+                    sampled = mb.mask.bool()
+                    if sampled.any():
+                        totals["sampler/logp_diff_max"] = max(totals["sampler/logp_diff_max"], float((logp.detach() - mb.old_logp)[sampled].abs().max()))
+                old = fixed_old[start]
             loss, stats = policy_loss(
-                logp, mb.old_logp, mb.advantages, mb.mask,
+                logp, old, mb.advantages, mb.mask,
                 loss_type=cfg.loss_type, epsilon_low=cfg.epsilon_low, epsilon_high=cfg.epsilon_high,
                 max_completion_length=state.max_completion_length, ref_logp=ref, beta=cfg.beta,
                 shaped=mb.shaped if cfg.shaping else None, gamma=cfg.gamma, normalizer=normalizer,
@@ -264,6 +279,7 @@ def _update(state: TrainState, trajs: list[Trajectory], advantages: torch.Tensor
         "clip_frac_low": totals["clip_frac_low"] / n_micro,
         "clip_frac_high": totals["clip_frac_high"] / n_micro,
         "kl": totals["kl"] / n_micro,
+        "sampler/logp_diff_max": totals["sampler/logp_diff_max"],
         "entropy": float(-batch.old_logp[sampled].mean()) if sampled.any() else 0.0,
         "grad_norm": float(grad_norm),
         "train_tokens": int(sampled.sum()),

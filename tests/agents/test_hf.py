@@ -346,3 +346,47 @@ def test_from_pretrained(tiny_dir: Path) -> None:
     assert policy.name == f"hf:{tiny_dir}"
     assert policy.model.dtype == torch.float32
     assert len(policy.act([new_conversation()])) == 1
+
+
+def _prefixed_prompts(tokenizer, n: int = 4) -> list[list[int]]:
+    system = tokenizer.encode("<|im_start|>system\nYou are an API agent. " + "Report every order. " * 6 + "<|im_end|>\n", add_special_tokens=False)
+    return [system + tokenizer.encode(f"<|im_start|>user\ncustomer {7 * i + 1}<|im_end|>\n" * (1 + i % 2), add_special_tokens=False) for i in range(n)]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_shared_prefix_sampling_matches_unshared(model, tokenizer, temperature: float) -> None:
+    from agents.kv_cache import PrefixCache
+    from agents.sampling import SamplingParams, common_prefix_len, sample_batch
+
+    prompts = _prefixed_prompts(tokenizer)
+    assert common_prefix_len(prompts) >= 16
+    params = SamplingParams(temperature=temperature, max_new_tokens=12)
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+    def run(**kw):
+        return sample_batch(model, prompts, params=params, stop_ids={end}, pad_id=0, generator=torch.Generator().manual_seed(5), **kw)
+
+    plain, shared, cache = run(share_prefix=False), run(), PrefixCache()
+    assert [s.ids for s in shared] == [s.ids for s in plain]
+    for a, b in zip(shared, plain, strict=True):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
+    first = run(prefix_cache=cache)
+    assert cache.entry is not None and len(cache.entry.ids) == common_prefix_len(prompts)
+    assert cache.lookup(model, prompts[0]) == len(cache.entry.ids)
+    again = run(prefix_cache=cache)  # served from the stored prefix
+    assert [s.ids for s in again] == [s.ids for s in first] == [s.ids for s in plain]
+
+
+def test_prefix_cache_is_invalidated_by_a_weight_update(tiny_dir: Path) -> None:
+    from agents.kv_cache import PrefixCache
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
+    policy = HFPolicy(model, tokenizer, max_new_tokens=4, seed=0)
+    policy.act([new_conversation()])
+    prompt = new_conversation()
+    policy.encoder.sync(prompt)
+    assert isinstance(policy.prefix_cache, PrefixCache) and policy.prefix_cache.lookup(model, prompt.token_ids) > 0
+    with torch.no_grad():
+        model.model.embed_tokens.weight.add_(0.01)  # what an optimizer step does
+    assert policy.prefix_cache.lookup(model, prompt.token_ids) == 0

@@ -1,0 +1,63 @@
+"""bf16 where the CPU has it: the sampling copy, its log-prob agreement, and the fp32 fallback."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from agents.base import Conversation
+from agents.hf import HFPolicy
+from agents.precision import DTYPE_ENV, SamplingWeights, autocast, compute_dtype, cpu_has_bf16
+from agents.sampling import sequence_logprobs
+
+# bf16 keeps 8 bits of mantissa: on the tiny model the sampler's and the autocast training pass's
+# log-probs of the same tokens agree to within this (SmolLM2: up to ~0.2 nats, see the README).
+BF16_ATOL = 0.25
+
+
+def _conversation() -> Conversation:
+    return Conversation([{"role": "system", "content": "You write JSON reports."}, {"role": "user", "content": "Report customer 7."}])
+
+
+def test_fp32_fallback_uses_the_model_itself(tiny_chat_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(DTYPE_ENV, "float32")
+    model = AutoModelForCausalLM.from_pretrained(tiny_chat_model)
+    assert compute_dtype() == torch.float32
+    assert SamplingWeights(model).get() is model
+    assert not torch.is_autocast_enabled("cpu") and type(autocast(model)).__name__ == "nullcontext"
+
+
+@pytest.mark.skipif(not cpu_has_bf16(), reason="this CPU has no native bf16")
+def test_bf16_sampling_agrees_with_the_training_pass(tiny_chat_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(DTYPE_ENV, "bfloat16")
+    model = AutoModelForCausalLM.from_pretrained(tiny_chat_model)
+    policy = HFPolicy(model, AutoTokenizer.from_pretrained(tiny_chat_model), max_new_tokens=24, seed=0)
+    conv = _conversation()
+    policy.act([conv])
+    sampler = policy.sampling_weights.get()
+    assert sampler is not model and next(sampler.parameters()).dtype == torch.bfloat16
+    assert next(model.parameters()).dtype == torch.float32  # master weights stay fp32
+    ids = torch.tensor([conv.token_ids])
+    with torch.no_grad(), autocast(model):
+        trained = sequence_logprobs(model, ids, torch.ones_like(ids))[0]
+    mask = torch.tensor(conv.loss_mask[1:], dtype=torch.bool)
+    stored = torch.tensor(conv.logprobs[1:])
+    diff = (trained[mask] - stored[mask]).abs()
+    assert mask.any() and float(diff.max()) < BF16_ATOL
+    assert abs(float(torch.exp(trained[mask] - stored[mask]).mean()) - 1.0) < 0.05
+
+
+@pytest.mark.skipif(not cpu_has_bf16(), reason="this CPU has no native bf16")
+def test_the_sampling_copy_follows_weight_updates(tiny_chat_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(DTYPE_ENV, "bfloat16")
+    model = AutoModelForCausalLM.from_pretrained(tiny_chat_model)
+    weights = SamplingWeights(model)
+    first = weights.get()
+    with torch.no_grad():
+        model.model.embed_tokens.weight.add_(1.0)
+    again = weights.get()
+    assert again is first  # refreshed in place, not rebuilt
+    torch.testing.assert_close(again.model.embed_tokens.weight.float(), model.model.embed_tokens.weight, atol=0.05, rtol=0.01)
