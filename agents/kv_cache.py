@@ -9,8 +9,11 @@ env shares (system prompt and tool schemas), so it is computed once per weights 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -23,9 +26,10 @@ SPARE = 256  # columns added beyond what an update needs when the buffer grows
 class GrowingLayer(DynamicLayer):
     """A `DynamicLayer` whose keys/values are views of a (B, H, capacity, D) buffer."""
 
-    def __init__(self) -> None:
+    def __init__(self, offset: int = 0) -> None:
         super().__init__()
         self.length = 0
+        self.offset = offset  # leading columns held elsewhere (a shared prefix), counted in the length
         self._k: Tensor | None = None
         self._v: Tensor | None = None
 
@@ -67,7 +71,7 @@ class GrowingLayer(DynamicLayer):
         self.keys, self.values = self._k[:, :, : self.length], self._v[:, :, : self.length]
 
     def get_seq_length(self) -> int:
-        return self.length
+        return self.offset + self.length
 
     def batch_select_indices(self, indices: Tensor) -> None:
         if self._k is not None and self._v is not None:
@@ -91,13 +95,14 @@ class GrowingLayer(DynamicLayer):
         super().reset()
 
 
-def growing_cache(model: PreTrainedModel) -> DynamicCache:
-    """A `DynamicCache` for `model` whose full-attention layers grow in place."""
+def growing_cache(model: PreTrainedModel, offset: int = 0) -> DynamicCache:
+    """A `DynamicCache` for `model` whose full-attention layers grow in place; `offset` columns
+    (a shared prefix served by `prefix_attention`) count in its length but are not stored."""
     try:
         cache = DynamicCache(config=model.config)
     except TypeError:  # older transformers: no config argument
         return DynamicCache()
-    cache.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    cache.layers = [GrowingLayer(offset) if type(layer) is DynamicLayer else layer for layer in cache.layers]
     return cache
 
 
@@ -141,3 +146,87 @@ def weights_version(model: torch.nn.Module) -> tuple[int, int]:
     or replaced by new storage (`model.to(...)`)."""
     params = list(model.parameters())
     return sum(p._version for p in params), sum(p.data_ptr() for p in params)
+
+
+# -- attention against a shared prefix ------------------------------------------------------
+PREFIX_ATTENTION = "cgym_shared_prefix"
+# per layer: keys as (H_kv, D, P) fp32, values as (H_kv, P, D) fp32, and both as given (1, H_kv, P, D)
+_PREFIX: ContextVar[tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor]] | None] = ContextVar("cgym_prefix_kv", default=None)
+
+
+@contextmanager
+def shared_prefix(keys: list[Tensor], values: list[Tensor]) -> Iterator[None]:
+    """Within this block, attention layers of models set up with `use_prefix_attention` attend to
+    these per-layer (1, H_kv, P, D) keys/values first; the cache holds only each row's own part."""
+    prepared = ([k[0].float().transpose(1, 2).contiguous() for k in keys], [v[0].float().contiguous() for v in values], keys, values)
+    token = _PREFIX.set(prepared)
+    try:
+        yield
+    finally:
+        _PREFIX.reset(token)
+
+
+def use_prefix_attention(model: PreTrainedModel) -> bool:
+    """Route `model`'s attention through `prefix_attention` (SDPA whenever no prefix is active).
+    Returns False, leaving the model as it was, when it does not use SDPA-style attention."""
+    if getattr(model.config, "_attn_implementation", None) not in ("sdpa", PREFIX_ATTENTION):
+        return False
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    global _sdpa
+    _sdpa = sdpa_attention_forward
+    ALL_ATTENTION_FUNCTIONS.register(PREFIX_ATTENTION, prefix_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(PREFIX_ATTENTION, sdpa_mask)
+    model.config._attn_implementation = PREFIX_ATTENTION
+    return True
+
+
+_sdpa: Any = None
+
+
+def prefix_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None, **kwargs: Any) -> tuple[Tensor, None]:
+    """Attention of (B, H, q, D) queries over [shared prefix | each row's own keys].
+
+    In a decode step the prefix's scores are one matmul per kv head against its single copy (no
+    per-row copy of it to read), the rows' own part a batched matmul, one softmax over both:
+    exact, and on SmolLM2 with its 800-token prompt the attention that dominated a step goes
+    away. Returns (B, q, H, D) like transformers' attention functions.
+    """
+    prefix = _PREFIX.get()
+    if prefix is None:
+        return _sdpa(module, query, key, value, attention_mask, **kwargs)
+    if query.shape[2] > 1:  # a prefill: SDPA's fused kernel over per-row copies beats the split scores
+        batch, i = query.shape[0], module.layer_idx
+        full_k = torch.cat([prefix[2][i].expand(batch, -1, -1, -1), key], 2)
+        full_v = torch.cat([prefix[3][i].expand(batch, -1, -1, -1), value], 2)
+        return _sdpa(module, query, full_k, full_v, attention_mask, **kwargs)
+    pk_t, pv = prefix[0][module.layer_idx], prefix[1][module.layer_idx]  # (H_kv, D, P), (H_kv, P, D)
+    batch, heads, q_len, dim = query.shape
+    kv_heads = pk_t.shape[0]
+    n = heads // kv_heads * q_len  # queries per kv head and row
+    scale = kwargs.get("scaling") or dim**-0.5
+    own_mask = _own_mask(attention_mask, batch, q_len, key.shape[2], pk_t.shape[2], query.device)  # (B, q, S) bool
+    qg = query.float().reshape(batch, kv_heads, n, dim)  # (B, H_kv, n, D)
+    s_prefix = torch.matmul(qg.transpose(0, 1).reshape(kv_heads, batch * n, dim), pk_t).mul_(scale)  # (H_kv, B*n, P)
+    s_own = torch.matmul(qg, key.float().transpose(-1, -2)).mul_(scale)  # (B, H_kv, n, S)
+    m = own_mask[:, None, None].expand(-1, kv_heads, heads // kv_heads, -1, -1).reshape(s_own.shape)
+    s_own.masked_fill_(~m, float("-inf"))
+    top = torch.maximum(s_prefix.amax(-1).reshape(kv_heads, batch, n).transpose(0, 1), s_own.amax(-1))  # (B, H_kv, n)
+    e_prefix = s_prefix.sub_(top.transpose(0, 1).reshape(kv_heads, batch * n, 1)).exp_()
+    e_own = s_own.sub_(top[..., None]).exp_()
+    total = e_prefix.sum(-1).reshape(kv_heads, batch, n).transpose(0, 1) + e_own.sum(-1)  # (B, H_kv, n)
+    out = torch.matmul(e_prefix, pv).reshape(kv_heads, batch, n, dim).transpose(0, 1) + torch.matmul(e_own, value.float())
+    out = (out / total[..., None]).reshape(batch, heads, q_len, dim)
+    return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+def _own_mask(attention_mask: Tensor | None, batch: int, q_len: int, own: int, plen: int, device: torch.device) -> Tensor:
+    """(B, q, S) which of a row's own keys each query sees: the given 4D mask's columns after the
+    prefix, or plain causality where transformers left the mask out (no padding)."""
+    if attention_mask is not None:
+        mask = attention_mask[:, 0, :, plen : plen + own]
+        return mask if mask.dtype == torch.bool else mask == 0
+    rows = torch.arange(q_len, device=device)[:, None] + (own - q_len)
+    return (torch.arange(own, device=device)[None] <= rows)[None].expand(batch, -1, -1)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Collection, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -19,7 +20,7 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
 
-from agents.kv_cache import PrefixCache, growing_cache
+from agents.kv_cache import PrefixCache, growing_cache, shared_prefix, use_prefix_attention
 
 
 @dataclass(frozen=True)
@@ -199,7 +200,25 @@ def sample_batch(
     device = model.device
     steps = params.max_new_tokens
     shared = common_prefix_len(prompts) if share_prefix else 0
-    cache, mask, logits, next_pos = _prefill(model, prompts, shared, steps, pad_id, prefix_cache)
+    head = _prefix_cache_kv(model, prompts[0][:shared], prefix_cache) if shared >= MIN_SHARED_PREFIX else None
+    served = head is not None and use_prefix_attention(model)
+    with shared_prefix(*head) if served and head else nullcontext():
+        return _decode(model, prompts, head, served, params, stop_ids, pad_id, generator)
+
+
+def _decode(
+    model: PreTrainedModel,
+    prompts: Sequence[Sequence[int]],
+    head: tuple[list[Tensor], list[Tensor]] | None,
+    served: bool,
+    params: SamplingParams,
+    stop_ids: Collection[int],
+    pad_id: int,
+    generator: torch.Generator | None,
+) -> list[Sample]:
+    device = model.device
+    steps = params.max_new_tokens
+    cache, mask, logits, next_pos = _prefill(model, prompts, head, served, steps, pad_id)
 
     batch = len(prompts)
     prompt_width = mask.shape[1] - steps
@@ -242,24 +261,24 @@ def common_prefix_len(prompts: Sequence[Sequence[int]]) -> int:
 def _prefill(
     model: PreTrainedModel,
     prompts: Sequence[Sequence[int]],
-    shared: int,
+    head: tuple[list[Tensor], list[Tensor]] | None,
+    served: bool,
     steps: int,
     pad_id: int,
-    prefix_cache: PrefixCache | None,
 ) -> tuple[Any, Tensor, Tensor, Tensor]:
-    """Fill the cache with the prompts; returns (cache, (B, W + steps) mask, (B, V) logits of
-    each row's last prompt position, (B, 1) position of the first sampled token)."""
+    """Fill the cache with the prompts after the shared `head`; returns (cache, (B, W + steps)
+    mask, (B, V) logits of each row's last prompt position, (B, 1) position of the first sampled
+    token). A `served` head stays outside the cache (`prefix_attention` reads its one copy);
+    otherwise every row gets a copy of it."""
     device = model.device
-    head = _prefix_cache_kv(model, prompts[0][:shared], prefix_cache) if shared >= MIN_SHARED_PREFIX else None
-    start = shared if head is not None else 0
+    start = head[0][0].shape[2] if head is not None else 0
     suffix_ids, suffix_mask = _left_pad([p[start:] for p in prompts], pad_id, steps, device)  # (B, S), (B, S + steps)
-    cache = growing_cache(model)
+    cache = growing_cache(model, offset=start if served else 0)
     mask = suffix_mask
     if head is not None:
-        keys, values = head
-        capacity = start + suffix_mask.shape[1]
-        for layer, k, v in zip(cache.layers, keys, values):
-            layer.fill(k.expand(len(prompts), -1, -1, -1), v.expand(len(prompts), -1, -1, -1), capacity)
+        if not served:
+            for layer, k, v in zip(cache.layers, *head):
+                layer.fill(k.expand(len(prompts), -1, -1, -1), v.expand(len(prompts), -1, -1, -1), start + suffix_mask.shape[1])
         mask = torch.cat([torch.ones((len(prompts), start), dtype=torch.long, device=device), suffix_mask], 1)
     width = mask.shape[1] - steps
     positions = position_ids_from_mask(mask[:, :width])

@@ -219,7 +219,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 def cmd_quickstart(args: argparse.Namespace) -> int:
     from trainer.quickstart import QuickstartPlan, run
 
-    run(args.out, QuickstartPlan(seed=args.seed), console=console)
+    run(args.out, QuickstartPlan(model=args.model, sft_demos=args.sft_demos, seed=args.seed), console=console)
     return 0
 
 
@@ -344,8 +344,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling(p)
     p.set_defaults(func=cmd_compare)
 
-    p = sub.add_parser("quickstart", help="the whole story on CPU: tiny model, SFT, GRPO, compare, report")
+    p = sub.add_parser("quickstart", help="the whole story on CPU: pretrained model, SFT, GRPO, compare, report")
     p.add_argument("--out", type=Path, default=Path("quickstart"))
+    p.add_argument("--model", default="smollm2-135m", help="smollm2-135m (default), tiny, a directory or a .gguf file")
+    p.add_argument("--sft-demos", type=int, default=48, help="demonstrations for the warm start (few, so GRPO has room)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_quickstart)
 

@@ -355,7 +355,7 @@ def _prefixed_prompts(tokenizer, n: int = 4) -> list[list[int]]:
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
 def test_shared_prefix_sampling_matches_unshared(model, tokenizer, temperature: float) -> None:
-    from agents.kv_cache import PrefixCache
+    from agents.kv_cache import PREFIX_ATTENTION, PrefixCache
     from agents.sampling import SamplingParams, common_prefix_len, sample_batch
 
     prompts = _prefixed_prompts(tokenizer)
@@ -367,6 +367,7 @@ def test_shared_prefix_sampling_matches_unshared(model, tokenizer, temperature: 
         return sample_batch(model, prompts, params=params, stop_ids={end}, pad_id=0, generator=torch.Generator().manual_seed(5), **kw)
 
     plain, shared, cache = run(share_prefix=False), run(), PrefixCache()
+    assert model.config._attn_implementation == PREFIX_ATTENTION  # the prefix was served from one copy
     assert [s.ids for s in shared] == [s.ids for s in plain]
     for a, b in zip(shared, plain, strict=True):
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
