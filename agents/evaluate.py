@@ -65,6 +65,7 @@ def summarize(results: Sequence[EpisodeResult], *, samples: int = 1) -> dict[str
         groups = [results[i : i + samples] for i in range(0, n, samples)]
         summary[f"pass@{samples}"] = sum(pass_at_k(len(g), sum(r.success for r in g), samples) for g in groups) / len(groups)
         summary["pass@1"] = sum(pass_at_k(len(g), sum(r.success for r in g), 1) for g in groups) / len(groups)
+        summary[f"pass^{samples}"] = sum(pass_hat_k(len(g), sum(r.success for r in g), samples) for g in groups) / len(groups)
     return summary
 
 
@@ -72,6 +73,12 @@ def check_pass_rates(results: Sequence[EpisodeResult]) -> dict[str, float]:
     """Share of episodes in which each check passed."""
     names = sorted({name for r in results for name in r.passed})
     return {name: sum(r.passed.get(name, False) for r in results) / len(results) for name in names}
+
+
+def pass_hat_k(n: int, c: int, k: int) -> float:
+    """pass^k, tau-bench's consistency measure: the chance that k of the n tries, drawn without
+    replacement, all succeed (C(c, k) / C(n, k)); 1 for a task solved every time."""
+    return comb(c, k) / comb(n, k)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

@@ -197,8 +197,6 @@ def sample_batch(
         return []
     if min(len(p) for p in prompts) == 0:
         raise ValueError("cannot sample from an empty prompt")
-    device = model.device
-    steps = params.max_new_tokens
     shared = common_prefix_len(prompts) if share_prefix else 0
     head = _prefix_cache_kv(model, prompts[0][:shared], prefix_cache) if shared >= MIN_SHARED_PREFIX else None
     served = head is not None and use_prefix_attention(model)
@@ -301,8 +299,8 @@ def _prefix_cache_kv(model: PreTrainedModel, prefix: Sequence[int], prefix_cache
         ids = torch.tensor([list(prefix[known:])], dtype=torch.long, device=model.device)
         positions = torch.arange(known, len(prefix), device=model.device)[None]
         _next_logits(model, ids, torch.ones((1, len(prefix)), dtype=torch.long, device=model.device), positions, cache)
-    if known != len(prefix) or known != len(store.entry.ids if store.entry else ()):
-        store.store(model, prefix, cache)
+    if store.entry is None or tuple(prefix) != store.entry.ids or known < len(prefix):
+        store.store(model, prefix, cache)  # the newest shared prefix replaces the stored one
     layers = [layer for layer in cache.layers if layer.is_initialized]
     return [layer.keys for layer in layers], [layer.values for layer in layers]
 

@@ -168,6 +168,27 @@ def sft_loss(model: PreTrainedModel, ids: Tensor, attention: Tensor, loss_mask: 
     return -(logprobs * targets).sum() / targets.sum().clamp(min=1.0)
 
 
+def accumulate_sft_loss(model: PreTrainedModel, ids: Tensor, attention: Tensor, loss_mask: Tensor, micro_batch_size: int) -> Tensor:
+    """`sft_loss` of the whole batch, backpropagated `micro_batch_size` rows at a time.
+
+    Each micro-batch's summed token loss is divided by the whole batch's loss-token count, so
+    the gradients equal one pass over the batch while the activations held for the backward
+    pass stay those of a micro-batch (SmolLM2 with 8 demos of ~900 tokens held ~15 GB at once).
+    Returns the (detached) batch loss.
+    """
+    total = loss_mask[:, 1:].sum().clamp(min=1.0)
+    loss = torch.zeros(())
+    for start in range(0, ids.shape[0], micro_batch_size):
+        rows = slice(start, start + micro_batch_size)
+        width = int(attention[rows].sum(-1).max())  # right padding: trim to this chunk's longest row
+        with autocast(model):
+            part = sft_loss(model, ids[rows, :width], attention[rows, :width], loss_mask[rows, :width])
+        part = part * loss_mask[rows, 1:width].sum() / total
+        part.backward()
+        loss = loss + part.detach()
+    return loss
+
+
 WARMUP = 0.05  # share of the run (in steps or in time) spent warming up
 
 
@@ -197,6 +218,7 @@ def _train(
     time_budget_s: float | None,
     progress: bool,
     label: str = "sft",
+    micro_batch_size: int = 4,
 ) -> dict[str, float]:
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -221,10 +243,8 @@ def _train(
             for group in optimizer.param_groups:
                 group["lr"] = lr * _schedule(done)
             ids, attention, loss_mask = collate(next(order), pad_id)
-            with autocast(model):
-                loss = sft_loss(model, ids, attention, loss_mask)
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            loss = accumulate_sft_loss(model, ids, attention, loss_mask, micro_batch_size)
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             losses.append(loss.item())

@@ -38,10 +38,10 @@ import gymnasium as gym
 import numpy as np
 import torch
 
+from agents.embedded import TINY_SIZES
 from benchmarks.output import emit
 from envs.registration import make
 from trainer.losses import LossType, check_loss_type
-from agents.embedded import TINY_SIZES
 
 ENV_ID = "cgym/SqlQuery-v0"
 ENV_KWARGS: dict[str, Any] = {"difficulty": "easy", "max_turns": 1}

@@ -54,8 +54,9 @@ class TrainConfig:
     """KL (k3) weight to the frozen starting model; 0 disables it and the reference model."""
     num_iterations: int = 1
     """Updates per rollout batch (old log-probs are the stored sampling ones)."""
-    micro_batch_size: int = 8
-    """Trajectories per forward/backward; the loss does not depend on it."""
+    micro_batch_size: int = 4
+    """Trajectories per forward/backward; the loss does not depend on it (4 keeps a SmolLM2 step
+    of long trajectories within a few GB)."""
     zero_std: ZeroStd = "keep"
     """Groups whose rewards are all equal: keep, drop, or resample once."""
     mask_truncated: bool = False

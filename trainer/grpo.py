@@ -254,7 +254,7 @@ def _update(state: TrainState, trajs: list[Trajectory], advantages: torch.Tensor
             if own_old:
                 if iteration == 0:
                     fixed_old[start] = logp.detach()
-                    sampled = mb.mask.bool()
+                    sampled = mb.mask.bool() & ~mb.shaped[:, None]  # a refinement was sampled under another prompt
                     if sampled.any():
                         totals["sampler/logp_diff_max"] = max(totals["sampler/logp_diff_max"], float((logp.detach() - mb.old_logp)[sampled].abs().max()))
                 old = fixed_old[start]

@@ -201,3 +201,21 @@ def test_fit_trains_on_ready_examples(tiny_dir: Path, tokenizer, tmp_path: Path)
     assert any(not torch.equal(before[k], after[k]) for k in before)
     with pytest.raises(ValueError, match="examples"):
         fit(tiny_dir, [], tmp_path, progress=False)
+
+
+@pytest.mark.parametrize("micro", [1, 3, 8], ids=["rows-1", "rows-3", "whole"])
+def test_micro_batches_give_the_whole_batch_gradient(tiny_chat_model, micro: int) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from agents.sft import accumulate_sft_loss, collate, sft_loss
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_chat_model)
+    rows = [(list(range(5, 5 + n)), [0] * (n // 2) + [1] * (n - n // 2)) for n in (6, 9, 12, 15, 20, 7)]
+    ids, attention, mask = collate(rows, pad_id=0)
+    sft_loss(model, ids, attention, mask).backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    loss = accumulate_sft_loss(model, ids, attention, mask, micro)
+    torch.testing.assert_close(loss, sft_loss(model, ids, attention, mask).detach(), atol=1e-5, rtol=1e-5)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, want[name], atol=1e-5, rtol=1e-4)

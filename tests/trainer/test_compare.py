@@ -80,3 +80,34 @@ def test_report_renders_in_headless_chromium(result: dict, tmp_path: Path) -> No
     shot = tmp_path / "shot.png"
     subprocess.run([_chromium(), *flags, "--window-size=1300,1800", f"--screenshot={shot}", paths["html"].as_uri()], capture_output=True, timeout=60)
     assert shot.stat().st_size > 10_000
+
+
+def test_pass_hat_k() -> None:
+    from agents.evaluate import pass_hat_k
+
+    assert pass_hat_k(4, 4, 4) == 1.0 and pass_hat_k(4, 3, 4) == 0.0
+    assert pass_hat_k(4, 2, 2) == pytest.approx(1 / 6)  # C(2,2) / C(4,2)
+    assert pass_hat_k(8, 6, 1) == pytest.approx(0.75)  # pass^1 is the success rate
+
+
+@pytest.mark.parametrize(("agent", "want"), [("oracle", 1.0), ("exploit_raw_dump", 0.0)], ids=["always", "never"])
+def test_cli_eval_reports_pass_hat_k_beside_pass_at_k(agent: str, want: float, tmp_path: Path) -> None:
+    from trainer.cli import main
+
+    out = tmp_path / "eval.json"
+    assert main(["eval", "--env", "cgym/ApiReport-v0", "--policy", f"scripted:{agent}", "--episodes", "3", "--samples", "4", "--json", str(out)]) == 0
+    summary = json.loads(out.read_text())
+    assert summary["pass^4"] == summary["pass@4"] == want
+
+
+def test_pass_hat_k_of_mixed_outcomes() -> None:
+    from agents.base import Conversation
+    from agents.episodes import EpisodeResult
+    from agents.evaluate import summarize
+
+    def result(success: bool) -> EpisodeResult:
+        return EpisodeResult(0, success, 1.0 if success else 0.0, False, {}, {}, [], Conversation([]))
+
+    # task 1: 2 of 2 succeed; task 2: 1 of 2 -> pass^2 = (1 + 0) / 2, pass@2 = (1 + 1) / 2
+    summary = summarize([result(True), result(True), result(True), result(False)], samples=2)
+    assert summary["pass^2"] == 0.5 and summary["pass@2"] == 1.0
