@@ -85,13 +85,16 @@ def cmd_eval(args: argparse.Namespace) -> int:
     else:
         with episode_progress(console, len(config.seeds), f"eval {policy.name}") as advance:
             summary, _ = evaluate(policy, config, on_done=advance)
+    summary["sampling"] = {"temperature": args.temperature, "top_p": args.top_p, "max_new_tokens": args.max_new_tokens}
     _print_summary(summary)
     _write_json(args.json, summary)
     return 0
 
 
 def _print_summary(summary: dict[str, Any]) -> None:
-    table = Table("metric", "value", title=f"{summary['policy']} on {summary['env']} {summary['env_kwargs']}")
+    sampling = summary.get("sampling", {})
+    how = f", temperature {sampling['temperature']:g}" + (" (greedy)" if sampling["temperature"] == 0 else " (sampled; --temperature 0 for greedy)") if sampling else ""
+    table = Table("metric", "value", title=f"{summary['policy']} on {summary['env']} {summary['env_kwargs']}{how}")
     for key in ("episodes", "success_rate", "mean_reward", "truncated_rate", "mean_turns", "wall_s"):
         table.add_row(key, f"{summary[key]:.3f}" if isinstance(summary[key], float) else str(summary[key]))
     for key in [k for k in summary if k.startswith(("pass@", "pass^"))]:

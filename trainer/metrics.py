@@ -122,7 +122,7 @@ def plot_curve(rows: Sequence[dict[str, Any]], path: Path, *, title: str = "trai
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
     for ax, key, label in ((left, "reward_mean", "train reward (mean)"), (right, "success_rate", "train success")):
         values = [r[key] for r in train]
-        ax.plot(steps, values, color="C0", alpha=0.3, label=label)
+        ax.plot(steps, values, color="C0", alpha=0.3, label=label, marker="o" if len(steps) < 10 else None)  # a short run still shows its points
         if len(values) >= 10:
             ax.plot(steps, rolling_mean(values, 10), color="C0", label=f"{label}, mean of 10 steps")
     left.set_xlabel("step")

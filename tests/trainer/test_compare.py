@@ -98,6 +98,7 @@ def test_cli_eval_reports_pass_hat_k_beside_pass_at_k(agent: str, want: float, t
     assert main(["eval", "--env", "cgym/ApiReport-v0", "--policy", f"scripted:{agent}", "--episodes", "3", "--samples", "4", "--json", str(out)]) == 0
     summary = json.loads(out.read_text())
     assert summary["pass^4"] == summary["pass@4"] == want
+    assert summary["sampling"]["temperature"] == 1.0  # eval's default, recorded and printed
 
 
 def test_pass_hat_k_of_mixed_outcomes() -> None:
