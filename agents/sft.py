@@ -168,6 +168,16 @@ def sft_loss(model: PreTrainedModel, ids: Tensor, attention: Tensor, loss_mask: 
     return -(logprobs * targets).sum() / targets.sum().clamp(min=1.0)
 
 
+ATTENTION_BUDGET = 3 * 1024**2  # rows x width^2 per micro-batch: the attention a backward pass keeps
+
+
+def rows_within_budget(width: int, most: int) -> int:
+    """Rows per micro-batch for sequences of `width` tokens: at most `most`, fewer for long ones,
+    since the attention weights kept for the backward pass grow with rows x width^2 (SmolLM2 on
+    1,400-token medium demos held 11.5 GB at 4 rows)."""
+    return max(1, min(most, ATTENTION_BUDGET // max(width, 1) ** 2))
+
+
 def accumulate_sft_loss(model: PreTrainedModel, ids: Tensor, attention: Tensor, loss_mask: Tensor, micro_batch_size: int) -> Tensor:
     """`sft_loss` of the whole batch, backpropagated `micro_batch_size` rows at a time.
 
@@ -178,8 +188,9 @@ def accumulate_sft_loss(model: PreTrainedModel, ids: Tensor, attention: Tensor, 
     """
     total = loss_mask[:, 1:].sum().clamp(min=1.0)
     loss = torch.zeros(())
-    for start in range(0, ids.shape[0], micro_batch_size):
-        rows = slice(start, start + micro_batch_size)
+    step = rows_within_budget(ids.shape[1], micro_batch_size)
+    for start in range(0, ids.shape[0], step):
+        rows = slice(start, start + step)
         width = int(attention[rows].sum(-1).max())  # right padding: trim to this chunk's longest row
         with autocast(model):
             part = sft_loss(model, ids[rows, :width], attention[rows, :width], loss_mask[rows, :width])

@@ -219,3 +219,10 @@ def test_micro_batches_give_the_whole_batch_gradient(tiny_chat_model, micro: int
     torch.testing.assert_close(loss, sft_loss(model, ids, attention, mask).detach(), atol=1e-5, rtol=1e-5)
     for name, param in model.named_parameters():
         torch.testing.assert_close(param.grad, want[name], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize(("width", "rows"), [(100, 4), (900, 3), (1400, 1), (5000, 1)], ids=["short", "easy", "medium", "huge"])
+def test_long_demos_get_fewer_rows_per_micro_batch(width: int, rows: int) -> None:
+    from agents.sft import rows_within_budget
+
+    assert rows_within_budget(width, 4) == rows
