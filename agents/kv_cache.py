@@ -95,13 +95,18 @@ class GrowingLayer(DynamicLayer):
         super().reset()
 
 
+def dynamic_cache(model: PreTrainedModel) -> DynamicCache:
+    """transformers' `DynamicCache`, laid out for `model`'s layer types where the version can."""
+    try:
+        return DynamicCache(config=model.config)
+    except TypeError:  # older transformers: no config argument
+        return DynamicCache()
+
+
 def growing_cache(model: PreTrainedModel, offset: int = 0) -> DynamicCache:
     """A `DynamicCache` for `model` whose full-attention layers grow in place; `offset` columns
     (a shared prefix served by `prefix_attention`) count in its length but are not stored."""
-    try:
-        cache = DynamicCache(config=model.config)
-    except TypeError:  # older transformers: no config argument
-        return DynamicCache()
+    cache = dynamic_cache(model)
     cache.layers = [GrowingLayer(offset) if type(layer) is DynamicLayer else layer for layer in cache.layers]
     return cache
 

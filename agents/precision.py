@@ -62,11 +62,16 @@ class SamplingWeights:
         self._copy: torch.nn.Module | None = None
         self._version: tuple[int, int] | None = None
 
-    def get(self) -> torch.nn.Module:
+    @property
+    def separate(self) -> bool:
+        """Whether sampling runs on a copy in another dtype (its log-probs then differ a little)."""
         params = next(self.model.parameters())
-        dtype = compute_dtype(params.device)
-        if dtype == params.dtype:
+        return compute_dtype(params.device) != params.dtype
+
+    def get(self) -> torch.nn.Module:
+        if not self.separate:
             return self.model
+        dtype = compute_dtype(next(self.model.parameters()).device)
         version = weights_version(self.model)
         if self._copy is None:
             self._copy = copy.deepcopy(self.model).to(dtype).eval().requires_grad_(False)

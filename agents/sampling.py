@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
-from agents.kv_cache import PrefixCache, growing_cache, shared_prefix, use_prefix_attention
+from agents.kv_cache import PrefixCache, dynamic_cache, growing_cache, shared_prefix, use_prefix_attention
 
 
 @dataclass(frozen=True)
@@ -121,7 +121,7 @@ def _prefix_shared_logprobs(
     the shared pass (each row gathers its own target) and the rest from the batched pass."""
     batch, width = input_ids.shape
     cache_name = _forward_kwargs(type(model))[0]
-    cache = _new_cache(model)
+    cache = dynamic_cache(model)
     head = _kept_columns(columns, 0, shared, model)
     out = model(
         input_ids=input_ids[:1, :shared],
@@ -368,13 +368,6 @@ def _forward_kwargs(model_cls: type) -> tuple[str, bool]:
     params = inspect.signature(model_cls.forward).parameters
     cache_name = "cache" if "cache" in params else "past_key_values"
     return cache_name, "logits_to_keep" in params
-
-
-def _new_cache(model: PreTrainedModel) -> DynamicCache:
-    try:
-        return DynamicCache(config=model.config)
-    except TypeError:  # older transformers: no config argument
-        return DynamicCache()
 
 
 def _collect(out_ids: Tensor, out_lp: Tensor, lengths: Tensor, stopped: Tensor) -> list[Sample]:

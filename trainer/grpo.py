@@ -238,7 +238,7 @@ def _update(state: TrainState, trajs: list[Trajectory], advantages: torch.Tensor
     # A bf16 sampler's log-probs differ from the training pass's by up to ~0.2 nats (measured on
     # SmolLM2), which the clip would treat as policy change: then the old log-probs are the
     # training pass's own, so the first iteration's ratio is exactly 1.
-    own_old = state.policy.sampling_weights.get() is not state.model
+    own_old = state.policy.sampling_weights.separate
     fixed_old: dict[int, torch.Tensor] = {}
     n_micro = 0
     for iteration in range(cfg.num_iterations):

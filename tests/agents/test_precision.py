@@ -26,7 +26,8 @@ def test_fp32_fallback_uses_the_model_itself(tiny_chat_model: Path, monkeypatch:
     monkeypatch.setenv(DTYPE_ENV, "float32")
     model = AutoModelForCausalLM.from_pretrained(tiny_chat_model)
     assert compute_dtype() == torch.float32
-    assert SamplingWeights(model).get() is model
+    weights = SamplingWeights(model)
+    assert not weights.separate and weights.get() is model
     assert not torch.is_autocast_enabled("cpu") and type(autocast(model)).__name__ == "nullcontext"
 
 
@@ -55,6 +56,7 @@ def test_the_sampling_copy_follows_weight_updates(tiny_chat_model: Path, monkeyp
     monkeypatch.setenv(DTYPE_ENV, "bfloat16")
     model = AutoModelForCausalLM.from_pretrained(tiny_chat_model)
     weights = SamplingWeights(model)
+    assert weights.separate
     first = weights.get()
     with torch.no_grad():
         model.model.embed_tokens.weight.add_(1.0)
