@@ -4,12 +4,19 @@ The action is the policy's raw text for one assistant turn; the observation is t
 the env's next message. A turn that calls tools gets their results; a turn without tool calls is
 the final answer, scored by the env's `Rubric`. Nothing a policy writes makes `step` raise:
 unreadable calls, unknown tools, bad arguments and crashing tools all become critiques.
+
+Each step also has a bounded cost. An action longer than `MAX_ACTION_CHARS` is refused unread;
+at most `MAX_CALLS_PER_TURN` tool calls of a turn run; tools that can take long (a SQL query)
+share the turn's `turn_time_s` budget, and calls left when it is spent are refused. Parsing is
+linear in the action's length, and a check that raises fails with a critique that names it.
 """
 
 from __future__ import annotations
 
+import math
 import re
 import string
+import time
 from typing import Any, ClassVar, Protocol
 
 import gymnasium as gym
@@ -20,13 +27,15 @@ from envs.critique import Critique, CritiqueStyle, render
 from envs.episode import Episode, StepRecord, ToolResult
 from envs.errors import CgymError, check_choice, did_you_mean
 from envs.rubric import Rubric, Score
-from envs.toolcall import ParsedTurn, ToolCall, parse_turn
+from envs.toolcall import ParsedTurn, ParseError, ToolCall, parse_turn
 from envs.tools import Tool, ToolError
 
 CHARSET = frozenset(string.printable)
 _OUTSIDE_CHARSET = re.compile(f"[^{re.escape(string.printable)}]")
 MAX_OBSERVATION_CHARS = 16_000
-MAX_ACTION_CHARS = 16_000
+MAX_ACTION_CHARS = 32_000  # room for the SQL sandbox's longest query (20,000) inside a tool call
+MAX_CALLS_PER_TURN = 8  # malformed calls included
+TURN_TIME_S = 0.8  # tool and scoring time of one step; parsing and replies fit in the rest of a second
 
 
 class Task(Protocol):
@@ -47,6 +56,7 @@ class AgentEnv(gym.Env[str, str]):
     metadata: ClassVar[dict[str, Any]] = {"render_modes": ["ansi"], "render_fps": 1}
     system_prompt: ClassVar[str] = "You are a helpful assistant that uses tools."
     truncation_code: ClassVar[str] = "no_final_answer"
+    turn_time_s: ClassVar[float] = TURN_TIME_S
     rubric: Rubric
 
     def __init__(self, *, max_turns: int = 8, render_mode: str | None = None) -> None:
@@ -65,6 +75,7 @@ class AgentEnv(gym.Env[str, str]):
         self._messages: list[dict[str, Any]] = []
         self._final_answer: str | None = None
         self._score: Score | None = None
+        self._turn_deadline = math.inf  # set by each step
 
     # -- what subclasses provide -------------------------------------------------------
     def _sample_task(self, rng: np.random.Generator) -> Task:
@@ -99,13 +110,9 @@ class AgentEnv(gym.Env[str, str]):
             raise ResetNeeded("call reset() before step(), and again after an episode ends")
         text = action if isinstance(action, str) else str(action)
         index = len(episode.steps) + 1
+        self._turn_deadline = time.perf_counter() + self.turn_time_s
         self._messages.append({"role": "assistant", "content": text})
-        parsed = parse_turn(text)
-        if parsed.is_tool_turn:
-            record, observation = self._run_tools(parsed, text, index)
-        else:
-            record, observation = StepRecord(index, text, final=True), ""
-            self._finish(text)
+        record, observation = self._take_turn(text, index)
         episode.steps.append(record)
         terminated = self._final_answer is not None
         truncated = not terminated and index >= self.max_turns
@@ -125,6 +132,10 @@ class AgentEnv(gym.Env[str, str]):
         """End the episode after this turn with `answer` as the final answer."""
         self._final_answer = answer
 
+    def _turn_time_left(self) -> float:
+        """Seconds left of this step's `turn_time_s`: a slow tool (a query) must finish within it."""
+        return max(self._turn_deadline - time.perf_counter(), 0.0)
+
     @property
     def task(self) -> Task | None:
         return self._episode.task if self._episode else None
@@ -141,21 +152,48 @@ class AgentEnv(gym.Env[str, str]):
         return render(style, self._episode, self._score.critiques, self._score.success)
 
     # -- internals -----------------------------------------------------------------------
+    def _take_turn(self, text: str, index: int) -> tuple[StepRecord, str]:
+        """Refuse an over-long action unread, run a tool turn, or take the text as the final answer."""
+        if len(text) > MAX_ACTION_CHARS:
+            record = StepRecord(index, text)
+            message = f"The turn is {len(text)} characters long; the limit is {MAX_ACTION_CHARS}, so it was not read."
+            return record, self._refuse(record, "action_too_long", message, "invalid_action", MAX_ACTION_CHARS, len(text))
+        parsed = _parse(text)
+        if parsed.is_tool_turn:
+            return self._run_tools(parsed, text, index)
+        self._finish(text)
+        return StepRecord(index, text, final=True), ""
+
     def _run_tools(self, parsed: ParsedTurn, text: str, index: int) -> tuple[StepRecord, str]:
         record = StepRecord(index, text, calls=list(parsed.calls))
+        errors = parsed.errors[:MAX_CALLS_PER_TURN]
+        calls = parsed.calls[: MAX_CALLS_PER_TURN - len(errors)]
         contents: list[str] = []
-        for error in parsed.errors:
+        for error in errors:
             critique = Critique(index, error.code, error.message, got=error.got)
             record.critique = record.critique or critique
             contents.append(self._reply("invalid_tool_call", f"Error [{error.code}]: {error.message}"))
-        for call in parsed.calls:
+        for done, call in enumerate(calls):
             if self._final_answer is not None:
                 break  # a call that ended the episode makes the rest of the turn moot
+            if self._turn_time_left() <= 0:
+                message = f"The turn's time budget ({self.turn_time_s:g} s) ran out; {len(calls) - done} call(s) were not run. Spread slow calls over turns."
+                contents.append(self._refuse(record, "turn_time_exceeded", message, "invalid_tool_call", self.turn_time_s, None))
+                break
             result = self._call(call, index)
             record.results.append(result)
             record.critique = record.critique or result.critique
             contents.append(self._reply(call.name, result.content))
+        attempts = len(parsed.errors) + len(parsed.calls)
+        if attempts > MAX_CALLS_PER_TURN and self._final_answer is None:
+            message = f"This turn makes {attempts} tool calls; only the first {MAX_CALLS_PER_TURN} were read and the rest were not run."
+            contents.append(self._refuse(record, "too_many_tool_calls", message, "invalid_tool_call", MAX_CALLS_PER_TURN, attempts))
         return record, "\n".join(contents)
+
+    def _refuse(self, record: StepRecord, code: str, message: str, name: str, expected: Any, got: Any) -> str:
+        """Critique `record` (unless it has a critique already) and reply with the refusal."""
+        record.critique = record.critique or Critique(record.index, code, message, expected, got)
+        return self._reply(name, f"Error [{code}]: {message}")
 
     def _call(self, call: ToolCall, index: int) -> ToolResult:
         tool = self._tool_map.get(call.name)
@@ -184,9 +222,14 @@ class AgentEnv(gym.Env[str, str]):
         assert self._episode is not None
         self._episode.final_answer = self._final_answer
         self._episode.truncated = truncated
-        self._before_score(self._episode)
+        critiques = [s.critique for s in self._episode.steps if s.critique is not None]
+        try:
+            self._before_score(self._episode)
+        except Exception as exc:  # noqa: BLE001 - the hook reads the model's answer; the checks still run
+            message = f"Preparing the score failed: {type(exc).__name__}: {_clip(str(exc))}"
+            critiques.append(Critique(self._episode.final_step, "scoring_crashed", message))
         score = self.rubric.score(self._episode)
-        critiques = [s.critique for s in self._episode.steps if s.critique is not None] + score.critiques
+        critiques += score.critiques
         if truncated:
             critiques.append(
                 Critique(self._episode.final_step, self.truncation_code, f"The turn limit ({self.max_turns}) was reached without a final answer.")
@@ -210,6 +253,18 @@ class AgentEnv(gym.Env[str, str]):
             "turn": len(self._episode.steps) if self._episode else 0,
             "task_id": getattr(task, "id", None),
         }
+
+
+def _parse(text: str) -> ParsedTurn:
+    """`parse_turn`, with a crash reported as an unreadable call rather than raised."""
+    try:
+        return parse_turn(text)
+    except Exception as exc:  # noqa: BLE001 - parse_turn is meant never to raise; if it does, step() still must not
+        return ParsedTurn(errors=[ParseError("parse_crashed", f"The turn could not be parsed: {type(exc).__name__}: {_clip(str(exc))}", _clip(text))])
+
+
+def _clip(text: str, limit: int = 200) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _clean(text: str) -> str:

@@ -4,7 +4,8 @@ A `Check` scores a finished `Episode`. A `Rubric` adds the weighted scores of it
 one rule that weights cannot break: *gate* checks (correctness) decide success, and non-gate
 checks (format, length, style bonuses) count only when every gate passed. Since a failed gate
 scores below 1 and gate weights are positive, every successful episode outscores every failed
-one: pretty JSON with wrong fields, padding or tag spam can never buy success.
+one: pretty JSON with wrong fields, padding or tag spam can never buy success. A check that
+raises fails at `CRASH_SCORE`, with a `check_crashed` critique that names it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from dataclasses import dataclass, field
 
 from envs.critique import Critique
 from envs.episode import Episode
+
+CRASH_SCORE = -1.0  # as low as any built-in check's failure: crashing a check never pays
 
 
 @dataclass(frozen=True)
@@ -73,7 +76,7 @@ class Rubric:
 
     def score(self, episode: Episode) -> Score:
         """Run every check; bonus terms are zeroed unless all gates passed."""
-        results = {c.name: c.fn(episode) for c in self.checks}
+        results = {c.name: _run(c, episode) for c in self.checks}
         success = all(results[c.name].passed for c in self.checks if c.gate)
         breakdown: dict[str, float] = {}
         for check in self.checks:
@@ -86,3 +89,13 @@ class Rubric:
         critiques = [r.critique for r in results.values() if r.critique is not None]
         passed = {name: r.passed for name, r in results.items()}
         return Score(sum(breakdown.values()), success, breakdown, critiques, passed)
+
+
+def _run(check: Check, episode: Episode) -> CheckResult:
+    try:
+        return check.fn(episode)
+    except Exception as exc:  # noqa: BLE001 - checks read model-written answers; scoring must not raise
+        detail = str(exc)
+        detail = detail if len(detail) <= 200 else detail[:197] + "..."
+        message = f"The check {check.name!r} crashed ({type(exc).__name__}: {detail}), so it counts as failed."
+        return CheckResult.fail(Critique(episode.final_step, "check_crashed", message), CRASH_SCORE)

@@ -3,6 +3,9 @@
 Accepted forms: Hermes/Qwen blocks ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
 (several per turn), or a bare JSON object with ``name`` and ``arguments`` as the whole turn
 (optionally inside a ```json fence). A turn with neither is a final answer.
+
+Parsing costs time linear in the turn's length: the block pattern is a lazy scan to a literal,
+the fence is found with `str` methods, and JSON goes through `envs.bounded_json`.
 """
 
 from __future__ import annotations
@@ -12,8 +15,10 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from envs import bounded_json
+
 _BLOCK = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.DOTALL)
-_FENCE = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.DOTALL)
+_FENCE = "```"
 
 
 @dataclass(frozen=True)
@@ -76,13 +81,11 @@ def _parse_blocks(text: str) -> ParsedTurn:
 
 
 def _bare_call(text: str) -> ParsedTurn | None:
-    stripped = text.strip()
-    fenced = _FENCE.match(stripped)
-    body = fenced.group(1) if fenced else stripped
+    body = _unfence(text.strip())
     if not (body.startswith("{") and '"name"' in body and '"arguments"' in body):
         return None
     try:
-        obj = json.loads(body)
+        obj = bounded_json.loads(body)
     except json.JSONDecodeError:
         return None  # a final answer that merely mentions these keys
     if not (isinstance(obj, dict) and set(obj) <= {"name", "arguments"} and "name" in obj):
@@ -91,9 +94,17 @@ def _bare_call(text: str) -> ParsedTurn | None:
     return ParsedTurn([call] if call else [], [error] if error else [], "")
 
 
+def _unfence(text: str) -> str:
+    """The inside of a turn that is one ```json fence (the "json" tag and padding dropped), else `text`."""
+    if len(text) < 2 * len(_FENCE) or not (text.startswith(_FENCE) and text.endswith(_FENCE)):
+        return text
+    inner = text[len(_FENCE) : -len(_FENCE)]
+    return inner.removeprefix("json").strip()
+
+
 def _decode_call(body: str) -> tuple[ToolCall | None, ParseError | None]:
     try:
-        obj = json.loads(body)
+        obj = bounded_json.loads(body)
     except json.JSONDecodeError as exc:
         where = f"line {exc.lineno} column {exc.colno} (char {exc.pos})"
         return None, ParseError("json_parse_error", f"The tool call is not valid JSON: {exc.msg} at {where}.", _clip(body))
@@ -106,7 +117,7 @@ def _from_object(obj: Any, body: str) -> tuple[ToolCall | None, ParseError | Non
     arguments = obj.get("arguments", {})
     if isinstance(arguments, str):  # some models double-encode the arguments
         try:
-            arguments = json.loads(arguments)
+            arguments = bounded_json.loads(arguments)
         except json.JSONDecodeError:
             pass
     if not isinstance(arguments, dict):

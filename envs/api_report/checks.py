@@ -12,10 +12,10 @@
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from typing import Any
 
+from envs import bounded_json
 from envs.api_report.calls import ApiCall, fetched_pages, unretried_failures
 from envs.api_report.tasks import ReportTask
 from envs.critique import Critique
@@ -23,7 +23,7 @@ from envs.episode import Episode
 from envs.rubric import Check, CheckResult, Rubric
 
 MAX_REASONING_CHARS = 500
-_FENCE = re.compile(r"```(?:json)?\s*(.*?)```", re.DOTALL)
+_FENCE = "```"
 
 
 @dataclass(frozen=True)
@@ -37,10 +37,10 @@ class Report:
 
 def extract_report(answer: str) -> Report:
     """Find the JSON object in a final answer: the last ```json fence, else the outer braces."""
-    fences = _FENCE.findall(answer)
+    fences, outside = _split_fences(answer)
     if fences:
-        block = fences[-1].strip()
-        reasoning = _FENCE.sub("", answer).strip()
+        block = fences[-1].removeprefix("json").strip()
+        reasoning = "".join(outside).strip()
     else:
         start, end = answer.find("{"), answer.rfind("}")
         if start < 0:
@@ -48,12 +48,25 @@ def extract_report(answer: str) -> Report:
         block = answer[start : end + 1] if end > start else answer[start:]
         reasoning = (answer[:start] + (answer[end + 1 :] if end > start else "")).strip()
     try:
-        data = json.loads(block)
+        data = bounded_json.loads(block)
     except json.JSONDecodeError as exc:
         return Report(None, f"{exc.msg} at line {exc.lineno} column {exc.colno} (char {exc.pos})", reasoning)
     if not isinstance(data, dict):
         return Report(None, f"the report must be a JSON object, got {type(data).__name__}", reasoning)
     return Report(data, None, reasoning)
+
+
+def _split_fences(text: str) -> tuple[list[str], list[str]]:
+    """The insides of the closed ``` fences of `text` and the text outside them, in one pass."""
+    fences: list[str] = []
+    outside: list[str] = []
+    done = 0
+    while (start := text.find(_FENCE, done)) >= 0 and (end := text.find(_FENCE, start + len(_FENCE))) >= 0:
+        outside.append(text[done:start])
+        fences.append(text[start + len(_FENCE) : end])
+        done = end + len(_FENCE)
+    outside.append(text[done:])
+    return fences, outside
 
 
 def _report(episode: Episode) -> Report | None:

@@ -8,6 +8,7 @@ sandbox, the matcher and the scripted agents agree on what a query "says".
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -27,7 +28,9 @@ _TOKEN = re.compile(
     re.VERBOSE | re.DOTALL,
 )
 
-_SQL_BLOCK = re.compile(r"```[ \t]*(?:sql|sqlite)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL | re.IGNORECASE)
+# One run of blanks on each side of the optional tag: two adjacent `[ \t]*` would try every split
+# of a long run of spaces (quadratic). Every other pattern here is one left-to-right pass.
+_SQL_BLOCK = re.compile(r"```[ \t]*(?:(?:sql|sqlite)[ \t]*)?\n(.*?)(?:```|\Z)", re.DOTALL | re.IGNORECASE)
 _READ_ONLY_STARTS = frozenset({"SELECT", "WITH", "VALUES"})
 
 
@@ -48,7 +51,10 @@ class Token:
 
 def tokenize(sql: str) -> list[Token]:
     """Tokens of `sql` without whitespace and comments, each tagged with its paren depth."""
-    tokens: list[Token] = []
+    return list(_tokens(sql))
+
+
+def _tokens(sql: str) -> Iterator[Token]:
     depth = 0
     for m in _TOKEN.finditer(sql):
         kind = m.lastgroup
@@ -57,10 +63,9 @@ def tokenize(sql: str) -> list[Token]:
         text = m.group()
         if text == ")":
             depth = max(depth - 1, 0)
-        tokens.append(Token(kind, text, m.start(), m.end(), depth))  # type: ignore[arg-type]
+        yield Token(kind, text, m.start(), m.end(), depth)  # type: ignore[arg-type]
         if text == "(":
             depth += 1
-    return tokens
 
 
 def split_statements(sql: str, tokens: list[Token] | None = None) -> list[str]:
@@ -81,7 +86,7 @@ def split_statements(sql: str, tokens: list[Token] | None = None) -> list[str]:
 
 def leading_keyword(sql: str, tokens: list[Token] | None = None) -> str:
     """The statement's first keyword, upper-cased, skipping comments and opening parens."""
-    for tok in tokenize(sql) if tokens is None else tokens:
+    for tok in _tokens(sql) if tokens is None else tokens:  # lazily: only the first word is needed
         if tok.text == "(":
             continue
         return tok.upper
