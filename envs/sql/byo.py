@@ -7,14 +7,15 @@ with an optional ``"id"`` (and optional ``"difficulty"`` / ``"split"`` labels to
     envs.sql.register_from_jsonl("myorg/MyDb-v0", "tasks.jsonl")
     env = gym.make("myorg/MyDb-v0")
 
-Every row is checked when it is registered (a missing key, a database that is not there, a gold
-query that fails) and gold results are computed once, then shared by every env instance.
+The whole file is checked when it is registered: every line must be UTF-8 JSON with the right
+keys, its `db` must lie inside the JSONL's folder (unless `allow_outside=True`) and open within the
+sandbox's limits, and its gold query must run there. One `TaskFileError` lists every bad line.
+Gold results are computed once, then shared by every env instance.
 """
 
 from __future__ import annotations
 
 import json
-import sqlite3
 from pathlib import Path
 from typing import Any
 
@@ -22,54 +23,70 @@ from envs.errors import CgymError, did_you_mean
 from envs.registration import EnvSpec, register
 from envs.rubric import Rubric
 from envs.sql.env import SqlQueryEnv
+from envs.sql.match import Expected
 from envs.sql.sandbox import DEFAULT_TIME_BUDGET_S, Sandbox, SqlError
-from envs.sql.tasks import SqlTask, gold_result, remember
+from envs.sql.tasks import SUBMIT_ROW_CAP, SqlTask, remember
 
 REQUIRED = ("question", "gold_sql", "db")
 OPTIONAL = ("id", "difficulty", "split")
+GOLD_BUDGET_S = 5.0  # time budget of reading a database's schema and of each gold query
+MAX_REPORTED = 20  # bad lines listed before validation stops
 
-_LOADED: dict[tuple[Path, int], tuple[SqlTask, ...]] = {}
+_LOADED: dict[tuple[Path, int, bool], tuple[SqlTask, ...]] = {}
 
 
 class TaskFileError(CgymError, ValueError):
-    """A bring-your-own task file that cannot be used; the message names the line and the fix."""
+    """A bring-your-own task file that cannot be used; the message names each bad line and the fix."""
 
 
-def register_from_jsonl(env_id: str, jsonl_path: str | Path, *, description: str = "", **defaults: Any) -> EnvSpec:
-    """Validate `jsonl_path` and register it as `env_id` (`defaults` become env kwargs)."""
+def register_from_jsonl(env_id: str, jsonl_path: str | Path, *, description: str = "", allow_outside: bool = False,
+                        **defaults: Any) -> EnvSpec:
+    """Validate `jsonl_path` and register it as `env_id` (`defaults` become env kwargs).
+
+    `allow_outside=True` accepts `db` paths outside the JSONL's folder (absolute, `../`, symlinks).
+    """
     path = Path(jsonl_path).resolve()
-    tasks = load_tasks(path)
+    tasks = load_tasks(path, allow_outside=allow_outside)
     text = description or f"SQL questions from {path.name} ({len(tasks)} tasks)."
-    return register(env_id, "envs.sql.byo:JsonlSqlEnv", description=text, tasks_file=str(path), **defaults)
+    return register(env_id, "envs.sql.byo:JsonlSqlEnv", description=text, tasks_file=str(path), allow_outside=allow_outside,
+                    **defaults)
 
 
-def load_tasks(jsonl_path: str | Path) -> tuple[SqlTask, ...]:
+def load_tasks(jsonl_path: str | Path, *, allow_outside: bool = False) -> tuple[SqlTask, ...]:
     """Parse and validate a task file, run every gold query once; cached per file version."""
     path = Path(jsonl_path).resolve()
     if not path.is_file():
         raise TaskFileError(f"task file {str(path)!r} not found")
-    key = (path, path.stat().st_mtime_ns)
+    key = (path, path.stat().st_mtime_ns, allow_outside)
     if key not in _LOADED:
-        _LOADED[key] = _load(path)
+        _LOADED[key] = _load(path, allow_outside)
     return _LOADED[key]
 
 
-def _load(path: Path) -> tuple[SqlTask, ...]:
+def _load(path: Path, allow_outside: bool) -> tuple[SqlTask, ...]:
     sandboxes: dict[Path, Sandbox] = {}
     tasks: list[SqlTask] = []
     seen: dict[str, int] = {}
+    problems: list[str] = []
     try:
-        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-            if not line.strip():
+        for number, line in _lines(path):
+            try:
+                task = _task(path, number, _row(path, number, line), sandboxes, allow_outside)
+                if task.id in seen:
+                    raise TaskFileError(f"{path.name} line {number}: id {task.id!r} is already used on line {seen[task.id]}")
+            except TaskFileError as exc:
+                problems.append(str(exc))
+                if len(problems) == MAX_REPORTED:
+                    problems.append(f"(validation stopped after {MAX_REPORTED} bad lines)")
+                    break
                 continue
-            task = _task(path, number, _row(path, number, line), sandboxes)
-            if task.id in seen:
-                raise TaskFileError(f"{path.name} line {number}: id {task.id!r} is already used on line {seen[task.id]}")
             seen[task.id] = number
             tasks.append(task)
     finally:
         for sandbox in sandboxes.values():
             sandbox.close()
+    if problems:
+        raise TaskFileError(problems[0] if len(problems) == 1 else f"{path.name} has bad lines:\n" + "\n".join(problems))
     if not tasks:
         raise TaskFileError(f"{path.name} holds no tasks; each line needs {{\"question\", \"gold_sql\", \"db\"}}")
     for task in tasks:
@@ -77,12 +94,28 @@ def _load(path: Path) -> tuple[SqlTask, ...]:
     return tuple(tasks)
 
 
-def _row(path: Path, number: int, line: str) -> dict[str, Any]:
+def _lines(path: Path) -> list[tuple[int, bytes]]:
+    """(line number, bytes) of every non-blank line. Lines end at b"\\n" only: JSON strings may
+    hold other characters that `str.splitlines` would split on."""
+    lines = path.read_bytes().removeprefix(b"\xef\xbb\xbf").split(b"\n")  # without a UTF-8 byte-order mark
+    return [(number, raw) for number, raw in enumerate(lines, 1) if raw.strip()]
+
+
+def _row(path: Path, number: int, raw: bytes) -> dict[str, Any]:
     where = f"{path.name} line {number}"
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise TaskFileError(f"{where}: not valid UTF-8 (byte 0x{raw[exc.start]:02x} at byte {exc.start + 1}); "
+                            "save the file as UTF-8") from None
     try:
         row = json.loads(line)
     except json.JSONDecodeError as exc:
         raise TaskFileError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+    except RecursionError:
+        raise TaskFileError(f"{where}: not valid for a task (JSON nested too deeply); each line is one flat object") from None
+    except ValueError as exc:  # e.g. an integer past Python's digit limit
+        raise TaskFileError(f"{where}: not valid JSON ({exc})") from None
     if not isinstance(row, dict):
         raise TaskFileError(f"{where}: expected a JSON object, got {type(row).__name__}")
     for key in REQUIRED:
@@ -92,35 +125,46 @@ def _row(path: Path, number: int, line: str) -> dict[str, Any]:
         if key not in REQUIRED + OPTIONAL:
             raise TaskFileError(f"{where}: unknown key {key!r}.{did_you_mean(key, REQUIRED + OPTIONAL)}")
         if not isinstance(value, str) or not value.strip():
-            raise TaskFileError(f"{where}: {key!r} must be a non-empty string, got {value!r}")
+            raise TaskFileError(f"{where}: {key!r} must be a non-empty string, got {_short(value)}")
     return row
 
 
-def _task(path: Path, number: int, row: dict[str, Any], sandboxes: dict[Path, Sandbox]) -> SqlTask:
+def _task(path: Path, number: int, row: dict[str, Any], sandboxes: dict[Path, Sandbox], allow_outside: bool) -> SqlTask:
     where = f"{path.name} line {number}"
-    db_path = (path.parent / row["db"]).resolve()
+    db_path = (path.parent / row["db"]).resolve()  # symlinks resolved: a link out of the folder is outside
+    if not allow_outside and not db_path.is_relative_to(path.parent):
+        raise TaskFileError(f"{where}: db {row['db']!r} is outside the task file's folder {str(path.parent)!r} (it is "
+                            f"{str(db_path)!r}); give a path relative to the JSONL, or pass allow_outside=True")
     if not db_path.is_file():
         raise TaskFileError(f"{where}: db file {row['db']!r} not found (looked for {str(db_path)!r})")
     sandbox = sandboxes.get(db_path)
     if sandbox is None:
         try:
-            sandbox = sandboxes[db_path] = Sandbox(db_path, time_budget_s=5.0).open()
-        except sqlite3.Error as exc:
-            raise TaskFileError(f"{where}: {row['db']!r} is not a readable SQLite database ({exc})") from None
+            sandbox = Sandbox(db_path, time_budget_s=GOLD_BUDGET_S).open()
+        except SqlError as exc:
+            raise TaskFileError(f"{where}: {row['db']!r} is not a readable SQLite database ([{exc.code}] {exc.message})") from None
+        sandboxes[db_path] = sandbox
     try:
-        expected = gold_result(sandbox, row["gold_sql"])
+        result = sandbox.run(row["gold_sql"], max_rows=SUBMIT_ROW_CAP, time_budget_s=GOLD_BUDGET_S)
     except SqlError as exc:
         raise TaskFileError(f"{where}: gold_sql fails to run: [{exc.code}] {exc.message}") from None
+    if result.truncated:
+        raise TaskFileError(f"{where}: gold_sql returns more than {SUBMIT_ROW_CAP} rows; no submission could match it")
     return SqlTask(
         id=row.get("id", f"{path.stem}-{number}"),
         db=db_path.stem,
         db_path=db_path,
         question=" ".join(row["question"].split()),
         gold_sql=row["gold_sql"].strip(),
-        expected=expected,
+        expected=Expected.from_query(row["gold_sql"], result.columns, result.rows),
         difficulty=row.get("difficulty", "any"),
         split=row.get("split", "any"),
     )
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 class JsonlSqlEnv(SqlQueryEnv):
@@ -128,6 +172,7 @@ class JsonlSqlEnv(SqlQueryEnv):
 
     Args:
         tasks_file: Path of the JSONL task file.
+        allow_outside: Accept `db` paths outside the task file's folder (see `register_from_jsonl`).
         difficulty: Keep only rows with this "difficulty" label (rows without one always stay).
         split: Keep only rows with this "split" label (rows without one always stay).
         max_turns: turn limit; exploration is free until it runs out.
@@ -139,6 +184,7 @@ class JsonlSqlEnv(SqlQueryEnv):
         self,
         *,
         tasks_file: str,
+        allow_outside: bool = False,
         difficulty: str | None = None,
         split: str | None = None,
         max_turns: int = 8,
@@ -147,6 +193,7 @@ class JsonlSqlEnv(SqlQueryEnv):
         render_mode: str | None = None,
     ) -> None:
         self.tasks_file = str(tasks_file)
+        self.allow_outside = allow_outside
         self.difficulty = difficulty  # type: ignore[assignment]
         self.split = split  # type: ignore[assignment]
         self.schema = None
@@ -156,7 +203,8 @@ class JsonlSqlEnv(SqlQueryEnv):
 
     def tasks(self) -> tuple[SqlTask, ...]:
         if self._pool is None:
-            pool = tuple(t for t in load_tasks(self.tasks_file) if _keeps(t.difficulty, self.difficulty) and _keeps(t.split, self.split))
+            tasks = load_tasks(self.tasks_file, allow_outside=self.allow_outside)
+            pool = tuple(t for t in tasks if _keeps(t.difficulty, self.difficulty) and _keeps(t.split, self.split))
             if not pool:
                 raise TaskFileError(f"{self.tasks_file}: no task has difficulty={self.difficulty!r} and split={self.split!r}")
             self._pool = pool

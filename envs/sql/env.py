@@ -20,7 +20,7 @@ from envs.rubric import Rubric
 from envs.sql.checks import default_rubric, judge
 from envs.sql.lexer import extract_query
 from envs.sql.match import render_row
-from envs.sql.sandbox import DEFAULT_TIME_BUDGET_S, Sandbox
+from envs.sql.sandbox import DEFAULT_TIME_BUDGET_S, Sandbox, TableInfo
 from envs.sql.schemas import SCHEMAS, SchemaName
 from envs.sql.tasks import SPLITS, Split, SqlTask, sample_task, task_pool
 from envs.sql.templates import DIFFICULTIES, Difficulty
@@ -45,7 +45,8 @@ class SqlQueryEnv(AgentEnv):
         split: "train" or "test"; they use disjoint entities for every question template.
         schema: "shop", "hr", "flights", or None to mix all three.
         max_turns: turn limit; exploration is free until it runs out.
-        query_timeout_s: time budget of every query before the sandbox stops it.
+        query_timeout_s: time budget of every query before the sandbox stops it; the queries of
+            one turn also share the turn's time budget (`AgentEnv.turn_time_s`).
         rubric: replace the default rubric (see `envs.sql.checks`).
     """
 
@@ -112,7 +113,7 @@ class SqlQueryEnv(AgentEnv):
     def list_tables(self) -> str:
         """List the database's tables with their row counts."""
         db = self._sandbox()
-        return "\n".join(f"{t.name} ({t.row_count} rows)" for t in db.tables.values()) or "(no tables)"
+        return "\n".join(f"{t.name} ({_rows(t)})" for t in db.tables.values()) or "(no tables)"
 
     def describe_table(self, table: str) -> str:
         """Show a table's columns with their types, and a few sample rows.
@@ -127,7 +128,7 @@ class SqlQueryEnv(AgentEnv):
                             expected=sorted(db.tables), got=table)
         columns = ", ".join(f"{name} {kind}".strip() for name, kind in info.columns)
         sample = _table([name for name, _ in info.columns], list(info.sample))
-        return f"Table {info.name} ({info.row_count} rows)\nColumns: {columns}\nSample rows:\n{sample}"
+        return f"Table {info.name} ({_rows(info)})\nColumns: {columns}\nSample rows:\n{sample}"
 
     def run_query(self, query: str) -> str:
         """Run a read-only SQL query and show up to 20 rows of its result.
@@ -135,7 +136,7 @@ class SqlQueryEnv(AgentEnv):
         Args:
             query: One SQLite SELECT statement.
         """
-        result = self._sandbox().run(query, max_rows=SHOWN_ROWS)  # a SqlError is a ToolError: it becomes the critique
+        result = self._sandbox().run(query, max_rows=SHOWN_ROWS, time_budget_s=self._query_time())  # a SqlError is a ToolError: it becomes the critique
         count = f"(first {SHOWN_ROWS} rows shown; there are more)" if result.truncated else f"({len(result.rows)} rows)"
         return f"{_table(list(result.columns), result.rows)}\n{count}"
 
@@ -159,11 +160,20 @@ class SqlQueryEnv(AgentEnv):
         query = episode.extras["submitted"] if "submitted" in episode.extras else extract_query(episode.final_answer)
         if query is not None and "```" in query:
             query = extract_query(query)
-        episode.extras["verdict"] = judge(episode.task, query, self._sandbox(), time_budget_s=self.query_timeout_s)
+        episode.extras["verdict"] = judge(episode.task, query, self._sandbox(), time_budget_s=self._query_time())
+
+    def _query_time(self) -> float:
+        """A query's time budget: `query_timeout_s`, within what is left of the turn's budget."""
+        return min(self.query_timeout_s, self._turn_time_left())
 
     def _sandbox(self) -> Sandbox:
         assert self._db is not None, "reset() first"
         return self._db
+
+
+def _rows(table: TableInfo) -> str:
+    """'240 rows', or why there is no count (the sandbox gave up counting within its limits)."""
+    return "row count unknown: counting ran past the sandbox's limits" if table.row_count is None else f"{table.row_count} rows"
 
 
 def _table(columns: list[str], rows: list[tuple[Any, ...]]) -> str:

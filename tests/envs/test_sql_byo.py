@@ -1,6 +1,9 @@
 from __future__ import annotations
 
 import json
+import os
+import sqlite3
+import time
 import warnings
 from pathlib import Path
 
@@ -13,7 +16,7 @@ import envs
 import envs.sql
 from agents.episodes import run_episodes
 from agents.scripted import ScriptedPolicy
-from envs.sql import TaskFileError, schemas
+from envs.sql import Sandbox, TaskFileError, schemas
 
 QUESTIONS = [
     {"question": "List the titles of books published before 1950. Return columns: title.",
@@ -128,3 +131,162 @@ def test_not_a_database_and_empty_files(tmp_path: Path) -> None:
     (tmp_path / "empty.jsonl").write_text("\n")
     with pytest.raises(TaskFileError, match="holds no tasks"):
         envs.sql.load_tasks(tmp_path / "empty.jsonl")
+
+
+# -- hostile task files and databases ---------------------------------------------------------
+GOOD = {"question": "q", "gold_sql": "SELECT title FROM books", "db": "data/library.sqlite"}
+
+
+@pytest.fixture()
+def folder(library: Path, tmp_path: Path) -> Path:
+    """A task folder holding its own copy of the library database."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "library.sqlite").write_bytes((library / "data" / "library.sqlite").read_bytes())
+    return tmp_path
+
+
+def write_lines(path: Path, *lines: bytes | str) -> Path:
+    path.write_bytes(b"\n".join(line if isinstance(line, bytes) else line.encode() for line in lines) + b"\n")
+    return path
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        (b'{"question": "caf\xe9", "gold_sql": "SELECT 1", "db": "data/library.sqlite"}', "line 2: not valid UTF-8 (byte 0xe9 at byte 18)"),
+        ("[" * 100_000 + "]" * 100_000, "line 2: not valid for a task (JSON nested too deeply)"),
+        ('{"question": ' + "[" * 500 + "]" * 500 + ', "gold_sql": "SELECT 1", "db": "x"}', "line 2: 'question' must be a non-empty string"),
+        ('{"question": "q", "id": ' + "9" * 5_000 + ', "gold_sql": "SELECT 1", "db": "x"}', "line 2: not valid JSON"),
+        ('{"question": "q", "gold_sql": "SELECT 1", "db": ""}', "line 2: 'db' must be a non-empty string"),
+        ('"just a string"', "line 2: expected a JSON object, got str"),
+    ],
+    ids=["invalid-utf8", "deep-json", "deep-value", "huge-number", "empty-db", "not-an-object"],
+)
+def test_malformed_lines_are_task_file_errors_with_the_line(folder: Path, line: bytes | str, message: str) -> None:
+    path = write_lines(folder / "t.jsonl", json.dumps(GOOD), line)
+    with pytest.raises(TaskFileError) as caught:
+        envs.sql.load_tasks(path)
+    assert message in str(caught.value)
+
+
+def test_every_bad_line_is_reported_at_once(folder: Path) -> None:
+    path = write_lines(folder / "t.jsonl", json.dumps(GOOD), b"\xff\xfe", json.dumps(GOOD | {"gold_sql": "SELECT nope FROM books"}),
+                       json.dumps(GOOD), "[" * 50_000, json.dumps(GOOD | {"db": "../elsewhere.sqlite"}))
+    with pytest.raises(TaskFileError) as caught:
+        envs.sql.load_tasks(path)
+    text = str(caught.value)
+    assert [f"line {n}:" in text for n in (1, 2, 3, 4, 5, 6)] == [False, True, True, False, True, True], text
+
+
+def test_a_byte_order_mark_and_crlf_line_ends_are_accepted(folder: Path) -> None:
+    path = folder / "t.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps(GOOD).encode() + b"\r\n" + json.dumps(GOOD | {"id": "two"}).encode() + b"\r\n")
+    assert [t.id for t in envs.sql.load_tasks(path)] == ["t-1", "two"]
+
+
+@pytest.mark.parametrize("where", ["absolute", "dot-dot", "symlink-out", "symlinked-folder-out"])
+def test_db_paths_are_confined_to_the_task_files_folder_unless_allowed(library: Path, tmp_path: Path, where: str) -> None:
+    outside = library / "data" / "library.sqlite"
+    inside = tmp_path / "tasks"
+    inside.mkdir()
+    if where == "absolute":
+        db = str(outside)
+    elif where == "dot-dot":
+        db = os.path.relpath(outside, inside)
+    elif where == "symlink-out":
+        (inside / "lib.sqlite").symlink_to(outside)
+        db = "lib.sqlite"
+    else:
+        (inside / "data").symlink_to(outside.parent, target_is_directory=True)
+        db = "data/library.sqlite"
+    path = write_lines(inside / "t.jsonl", json.dumps(GOOD | {"db": db}))
+    with pytest.raises(TaskFileError, match="outside the task file's folder .*allow_outside=True"):
+        envs.sql.register_from_jsonl(f"testorg/Out{where.title().replace('-', '')}-v0", path)
+    spec = envs.sql.register_from_jsonl(f"testorg/Allowed{where.title().replace('-', '')}-v0", path, allow_outside=True)
+    env = envs.make(spec.id)
+    _, info = env.reset(seed=0)
+    assert info["task_id"] == "t-1"
+    env.close()
+
+
+def test_a_symlink_that_stays_inside_the_folder_is_fine(folder: Path) -> None:
+    (folder / "same.sqlite").symlink_to(folder / "data" / "library.sqlite")
+    path = write_lines(folder / "t.jsonl", json.dumps(GOOD | {"db": "same.sqlite"}))
+    assert len(envs.sql.load_tasks(path)) == 1
+
+
+@pytest.fixture()
+def hostile_db(tmp_path: Path) -> Path:
+    """Views that never end, a blob view far past the value limit, and an ordinary table."""
+    path = tmp_path / "data" / "hostile.sqlite"
+    path.parent.mkdir()
+    conn = sqlite3.connect(path)
+    conn.executescript("""
+        CREATE TABLE items (id INTEGER PRIMARY KEY, name TEXT);
+        INSERT INTO items VALUES (1, 'a'), (2, 'b'), (3, 'c');
+        CREATE TABLE blobs (b BLOB);
+        INSERT INTO blobs VALUES (zeroblob(300000));
+        CREATE VIEW endless AS WITH RECURSIVE r(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM r) SELECT i FROM r;
+        CREATE VIEW endless_max AS WITH RECURSIVE r(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM r) SELECT max(i) AS m FROM r;
+        CREATE VIEW huge AS SELECT zeroblob(900000000) AS b;
+    """)
+    conn.close()
+    return path
+
+
+def test_a_hostile_database_registers_quickly_and_its_bad_views_are_named(hostile_db: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(envs.sql.byo, "GOLD_BUDGET_S", 1.0)
+    good = {"question": "q", "gold_sql": "SELECT name FROM items ORDER BY id", "db": "data/hostile.sqlite"}
+    path = write_lines(hostile_db.parent.parent / "t.jsonl", json.dumps(good),
+                       json.dumps(good | {"gold_sql": "SELECT m FROM endless_max"}), json.dumps(good | {"gold_sql": "SELECT b FROM huge"}),
+                       json.dumps(good | {"gold_sql": "SELECT length(b) FROM blobs"}), json.dumps(good | {"gold_sql": "SELECT b FROM blobs"}))
+    start = time.perf_counter()
+    with pytest.raises(TaskFileError) as caught:
+        envs.sql.load_tasks(path)
+    assert time.perf_counter() - start < 6.0
+    text = str(caught.value)
+    assert "line 2: gold_sql fails to run: [timeout]" in text
+    assert "line 3: gold_sql fails to run: [result_too_large]" in text and "line 5: gold_sql fails to run: [result_too_large]" in text
+    assert "line 1:" not in text and "line 4:" not in text
+
+
+def test_the_schema_of_a_hostile_database_is_read_within_its_budget(hostile_db: Path) -> None:
+    start = time.perf_counter()
+    with Sandbox(hostile_db, time_budget_s=1.0) as sandbox:
+        assert time.perf_counter() - start < 2.0
+        tables = sandbox.tables
+    assert tables["items"].row_count == 3 and tables["blobs"].row_count == 1
+    assert tables["endless"].row_count is None and tables["endless_max"].row_count is None
+    assert tables["endless"].sample == ((1,), (2,), (3,))
+    assert tables["huge"].sample == () and tables["blobs"].sample == ()  # never fetched past the value limit
+
+
+def test_list_tables_says_which_counts_are_unknown(hostile_db: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(envs.sql.byo, "GOLD_BUDGET_S", 1.0)
+    path = write_lines(hostile_db.parent.parent / "t.jsonl", json.dumps({"question": "q", "gold_sql": "SELECT name FROM items",
+                                                                          "db": "data/hostile.sqlite"}))
+    env = envs.make(envs.sql.register_from_jsonl("testorg/Hostile-v0", path).id)
+    env.reset(seed=0)
+    obs, *_ = env.step(f'<tool_call>{json.dumps({"name": "list_tables", "arguments": {}})}</tool_call>')
+    env.close()
+    assert "endless (row count unknown" in obs and "items (3 rows)" in obs
+
+
+@pytest.mark.parametrize(
+    ("gold", "message"),
+    [
+        ("SELECT value FROM json_each('[3, 1, 2]') ORDER BY value", None),
+        ("SELECT b.title, j.value FROM books b, json_tree(json_array(b.year)) j WHERE b.id = 1 AND j.atom IS NOT NULL", None),
+        ("SELECT count(*) FROM dbstat", "the table-valued function dbstat is not allowed"),
+        ("SELECT * FROM pragma_table_info('books')", "the table-valued function pragma_table_info is not allowed"),
+        ("WITH RECURSIVE r(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM r WHERE i < 20000) SELECT i FROM r", "more than 10000 rows"),
+    ],
+    ids=["json-each", "json-tree", "dbstat", "pragma-function", "too-many-rows"],
+)
+def test_table_valued_functions_in_gold_queries(folder: Path, gold: str, message: str | None) -> None:
+    path = write_lines(folder / "t.jsonl", json.dumps(GOOD | {"gold_sql": gold}))
+    if message is None:
+        assert envs.sql.load_tasks(path)[0].expected.rows
+    else:
+        with pytest.raises(TaskFileError, match=message):
+            envs.sql.load_tasks(path)
