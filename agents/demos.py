@@ -30,6 +30,8 @@ def demonstrations(
 
     The flawed share keeps the warm-started model good but not perfect, leaving room for RL.
     """
+    if episodes < 1 or not 0.0 <= imperfect <= 1.0:
+        raise ValueError(f"need episodes >= 1 and imperfect in [0, 1], got {episodes} and {imperfect}")
     kwargs = {**env_kwargs, "split": "train"}
     family = family_of_env(env_id, kwargs, seed=seed, purpose="demonstrate")
     flawed = sorted(family.near_misses or family.flaw_codes)

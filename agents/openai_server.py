@@ -6,7 +6,9 @@ format, raw assistant text with Hermes tool calls (`<tool_call>{...}</tool_call>
 messages on the way out and renders the server's native tool calls back into Hermes text on
 the way in, so the env parses a single format whatever the server does.
 
-Spec form on the CLI: `openai:<model>@<base_url>`.
+Spec form on the CLI: `openai:<model>@<base_url>`, with transport options as a query string,
+e.g. `openai:m@http://127.0.0.1:8000/v1?timeout_s=20&max_retries=2&deadline_s=60` (see
+`SPEC_OPTIONS`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import random
 import re
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -24,15 +27,38 @@ from typing import Any
 import httpx
 
 from agents.base import Conversation, Message, Turn
+from agents.spec import PolicySpecError
+from envs.errors import CgymError, did_you_mean
 from envs.toolcall import parse_turn
 
 SPEC_EXAMPLE = "openai:Qwen/Qwen2.5-0.5B-Instruct@http://127.0.0.1:8000/v1"
-_SPEC = re.compile(r"^(?P<model>[^\s]+?)@(?P<base_url>https?://\S+)$")
+_SPEC = re.compile(r"^(?P<model>[^\s]+?)@(?P<base_url>https?://[^\s?#]+)(?:\?(?P<options>\S*))?$")
 _RETRYABLE_ERRORS = (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError)
+MAX_REPLY_BYTES = 1 << 20  # a 512-token completion is a few KB; 1 MiB leaves room for long tool calls
 
 
-class PolicyError(RuntimeError):
-    """A policy could not produce a turn: the server refused the request, or retries ran out."""
+def _flag(text: str) -> bool:
+    if text.lower() not in ("true", "false", "1", "0"):
+        raise ValueError(f"expected true or false, got {text!r}")
+    return text.lower() in ("true", "1")
+
+
+SPEC_OPTIONS: dict[str, tuple[Callable[[str], Any], str]] = {
+    "timeout_s": (float, "a number of seconds"),
+    "deadline_s": (float, "a number of seconds"),
+    "max_retries": (int, "a whole number"),
+    "backoff_s": (float, "a number of seconds"),
+    "max_retry_after_s": (float, "a number of seconds"),
+    "max_reply_bytes": (int, "a whole number"),
+    "concurrency": (int, "a whole number"),
+    "native_tools": (_flag, "true or false"),
+}
+"""Options a spec may set after `?`: the `OpenAIPolicy` keyword of that name, how to read it, and what it must be."""
+
+
+class PolicyError(CgymError, RuntimeError):
+    """A policy could not produce a turn: the server refused the request, answered with something
+    that is not a chat completion, or gave no answer within the turn's deadline."""
 
 
 class OpenAIPolicy:
@@ -41,8 +67,11 @@ class OpenAIPolicy:
     Requests in a batch run concurrently on one shared `httpx.Client`; results keep the input
     order. 429 (honouring `Retry-After`), 5xx, timeouts and connection errors are retried with
     exponential backoff and seeded jitter (`seed`); a `Retry-After` is capped at
-    `max_retry_after_s`; any other 4xx raises `PolicyError` at once. `sleep` is injectable so
-    tests never wait. The API key defaults to `$OPENAI_API_KEY`, then `$CGYM_API_KEY`, and is
+    `max_retry_after_s`; any other 4xx raises `PolicyError` at once. Each attempt may take
+    `timeout_s` and one turn, retries and waits included, at most `deadline_s`; a reply over
+    `max_reply_bytes` or one that is not a well-formed chat completion raises `PolicyError`
+    without a retry. `sleep` and `clock` are injectable so tests never wait. The API key
+    defaults to `$OPENAI_API_KEY`, then `$CGYM_API_KEY`, and is
     sent only as an `Authorization: Bearer` header, never logged or shown in `repr`.
     """
 
@@ -56,31 +85,42 @@ class OpenAIPolicy:
         top_p: float = 1.0,
         max_tokens: int = 512,
         timeout_s: float = 60.0,
+        deadline_s: float = 120.0,
         max_retries: int = 4,
         backoff_s: float = 0.5,
         max_retry_after_s: float = 30.0,
+        max_reply_bytes: int = MAX_REPLY_BYTES,
         concurrency: int = 8,
         native_tools: bool = True,
         seed: int = 0,
         client: httpx.Client | None = None,
         sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        _validate(model, base_url, temperature, top_p, max_tokens, max_retries, backoff_s, concurrency)
+        _validate(
+            model=model, base_url=base_url, temperature=temperature, top_p=top_p, max_tokens=max_tokens, timeout_s=timeout_s,
+            deadline_s=deadline_s, max_retries=max_retries, backoff_s=backoff_s, max_retry_after_s=max_retry_after_s,
+            max_reply_bytes=max_reply_bytes, concurrency=concurrency,
+        )  # fmt: skip
         self.model = model
         self.base_url = base_url.rstrip("/")
         self.name = f"openai:{model}@{self.base_url}"
         self.temperature = temperature
         self.top_p = top_p
         self.max_tokens = max_tokens
+        self.timeout_s = timeout_s
+        self.deadline_s = deadline_s
         self.max_retries = max_retries
         self.backoff_s = backoff_s
         self.max_retry_after_s = max_retry_after_s
+        self.max_reply_bytes = max_reply_bytes
         self.concurrency = concurrency
         self.native_tools = native_tools
         self._api_key = api_key or os.environ.get("OPENAI_API_KEY") or os.environ.get("CGYM_API_KEY")
         self._owns_client = client is None
         self._client = client if client is not None else httpx.Client(timeout=timeout_s)
         self._sleep = sleep
+        self._clock = clock
         self._rng = random.Random(seed)
         self._rng_lock = threading.Lock()
 
@@ -89,11 +129,11 @@ class OpenAIPolicy:
         """Build from the part of `openai:<model>@<base_url>` after `openai:`."""
         match = _SPEC.match(rest.strip())
         if match is None:
-            raise ValueError(
-                f"bad openai policy spec {('openai:' + rest)!r}: expected openai:<model>@<base_url> "
+            raise PolicySpecError(
+                f"bad openai policy spec {('openai:' + rest)!r}: expected openai:<model>@<base_url>[?option=value&...] "
                 f"with an http(s) base URL, e.g. {SPEC_EXAMPLE}"
             )
-        return cls(match["model"], match["base_url"], **options)
+        return cls(match["model"], match["base_url"], **options, **spec_options(match["options"] or "", "openai:" + rest))
 
     def __repr__(self) -> str:  # never shows the API key
         return f"OpenAIPolicy(model={self.model!r}, base_url={self.base_url!r})"
@@ -145,24 +185,49 @@ class OpenAIPolicy:
     def _post(self, body: dict[str, Any]) -> dict[str, Any]:
         url = f"{self.base_url}/chat/completions"
         headers = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
+        deadline = self._clock() + self.deadline_s
         last_problem = ""
         for attempt in range(self.max_retries + 1):
             try:
-                response = self._client.post(url, json=body, headers=headers)
+                response, content = self._send(url, body, headers, deadline)
             except _RETRYABLE_ERRORS as exc:
                 last_problem = f"{type(exc).__name__}: {exc}"
                 delay = self._backoff(attempt)
             else:
                 if response.status_code < 400:
-                    return _json_body(response)
+                    return _json_body(response.status_code, content)
                 if response.status_code != 429 and response.status_code < 500:
-                    raise PolicyError(f"{url} answered {response.status_code}: {_server_message(response)}")
-                last_problem = f"HTTP {response.status_code}: {_server_message(response)}"
+                    raise PolicyError(f"{url} answered {response.status_code}: {_server_message(response, content)}")
+                last_problem = f"HTTP {response.status_code}: {_server_message(response, content)}"
                 retry_after = self._retry_after(response)
                 delay = self._backoff(attempt) if retry_after is None else retry_after
-            if attempt < self.max_retries:
-                self._sleep(delay)
-        raise PolicyError(f"{url} failed after {self.max_retries + 1} attempts; last error: {last_problem}")
+            if attempt == self.max_retries:
+                break
+            if self._clock() + delay >= deadline:
+                raise PolicyError(f"{url} gave no answer within the turn deadline of {self.deadline_s:g}s ({attempt + 1} attempt{'s' if attempt else ''}); last error: {last_problem}")
+            self._sleep(delay)
+        attempts = f"{self.max_retries + 1} attempt" + ("s" if self.max_retries else "")
+        raise PolicyError(f"{url} failed after {attempts}; last error: {last_problem}")
+
+    def _send(self, url: str, body: dict[str, Any], headers: dict[str, str], deadline: float) -> tuple[httpx.Response, bytes]:
+        """One POST, its body read up to `max_reply_bytes` and no later than `deadline`."""
+        remaining = deadline - self._clock()
+        if remaining <= 0:
+            raise httpx.TimeoutException("the turn deadline passed before this attempt")
+        chunks: list[bytes] = []
+        size = 0
+        with self._client.stream("POST", url, json=body, headers=headers, timeout=min(self.timeout_s, remaining)) as response:
+            declared = response.headers.get("Content-Length", "")
+            if declared.isdigit() and int(declared) > self.max_reply_bytes:
+                raise PolicyError(f"{url} sent a reply of {int(declared):,} bytes, over max_reply_bytes={self.max_reply_bytes:,}")
+            for chunk in response.iter_bytes():
+                size += len(chunk)
+                if size > self.max_reply_bytes:
+                    raise PolicyError(f"{url} sent a reply of over max_reply_bytes={self.max_reply_bytes:,} bytes")
+                if self._clock() > deadline:
+                    raise httpx.ReadTimeout("the turn deadline passed while the reply was still arriving")
+                chunks.append(chunk)
+        return response, b"".join(chunks)
 
     def _backoff(self, attempt: int) -> float:
         with self._rng_lock:
@@ -266,14 +331,24 @@ def _as_tool(schema: dict[str, Any]) -> dict[str, Any]:
 
 
 def turn_from_response(data: dict[str, Any]) -> Turn:
-    """The first choice of a chat-completions response as a Turn with Hermes tool-call text."""
-    try:
-        choice = data["choices"][0]
-        message = choice["message"]
-    except (KeyError, IndexError, TypeError) as exc:
-        raise PolicyError(f"the server's response has no choices[0].message: {_clip(json.dumps(data))}") from exc
-    text = message.get("content") or ""
-    calls = [hermes_call(tc) for tc in message.get("tool_calls") or []]
+    """The first choice of a chat-completions response as a Turn with Hermes tool-call text.
+
+    Raises `PolicyError` when the response is not shaped like a chat completion (no message
+    object, content that is not a string or null, tool calls that are not function objects).
+    """
+    choices = data.get("choices")
+    choice = choices[0] if isinstance(choices, list) and choices else None
+    message = choice.get("message") if isinstance(choice, dict) else None
+    if not isinstance(message, dict):
+        raise PolicyError(f"the server's response has no choices[0].message object: {_clip(json.dumps(data))}")
+    content = message.get("content")
+    if content is not None and not isinstance(content, str):
+        raise PolicyError(f"choices[0].message.content must be a string or null, got {type(content).__name__}: {_clip(json.dumps(content))}")
+    tool_calls = message.get("tool_calls") or []
+    if not isinstance(tool_calls, list):
+        raise PolicyError(f"choices[0].message.tool_calls must be a list, got {type(tool_calls).__name__}: {_clip(json.dumps(tool_calls))}")
+    text = content or ""
+    calls = [hermes_call(tc) for tc in tool_calls]
     if calls:
         text = "\n".join([text.strip(), *calls]) if text.strip() else "\n".join(calls)
     return Turn(text=text, truncated=choice.get("finish_reason") == "length")
@@ -283,72 +358,96 @@ def hermes_call(tool_call: dict[str, Any]) -> str:
     """One native tool call as a Hermes `<tool_call>` block.
 
     Arguments the server could not give as valid JSON are passed on as the raw string, so the
-    env reports the malformed call instead of this policy hiding it.
+    env reports the malformed call instead of this policy hiding it; a call that is not a
+    `{"function": {"name": str, "arguments": str | object}}` object raises `PolicyError`.
     """
-    function = tool_call.get("function") or {}
-    arguments = function.get("arguments", {})
+    function = tool_call.get("function") if isinstance(tool_call, dict) else None
+    name = function.get("name", "") if isinstance(function, dict) else None
+    arguments = function.get("arguments", {}) if isinstance(function, dict) else None
+    if not isinstance(name, str) or not isinstance(arguments, (str, dict)):
+        raise PolicyError(f'a tool call must be {{"function": {{"name": str, "arguments": str | object}}}}, got {_clip(json.dumps(tool_call))}')
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments) if arguments.strip() else {}
         except json.JSONDecodeError:
             pass
-    payload = json.dumps({"name": function.get("name", ""), "arguments": arguments})
+    payload = json.dumps({"name": name, "arguments": arguments})
     return f"<tool_call>{payload}</tool_call>"
 
 
 # ---- helpers ----
 
 
-def _json_body(response: httpx.Response) -> dict[str, Any]:
+def _json_body(status: int, content: bytes) -> dict[str, Any]:
+    text = content.decode("utf-8", errors="replace")
     try:
-        data = response.json()
+        data = json.loads(text)
     except ValueError as exc:
-        raise PolicyError(f"the server answered {response.status_code} with non-JSON: {_clip(response.text)}") from exc
+        raise PolicyError(f"the server answered {status} with non-JSON: {_clip(text)}") from exc
     if not isinstance(data, dict):
-        raise PolicyError(f"the server answered with JSON that is not an object: {_clip(response.text)}")
+        raise PolicyError(f"the server answered with JSON that is not an object: {_clip(text)}")
     return data
 
 
-def _server_message(response: httpx.Response) -> str:
+def _server_message(response: httpx.Response, content: bytes) -> str:
     """The error text a server put in its body (OpenAI `{"error": {"message"}}` or FastAPI `detail`)."""
+    text = content.decode("utf-8", errors="replace")
     try:
-        data = response.json()
+        data = json.loads(text)
     except ValueError:
-        return _clip(response.text) or response.reason_phrase
+        return _clip(text) or response.reason_phrase
     if isinstance(data, dict):
         error = data.get("error")
         if isinstance(error, dict) and error.get("message"):
             return str(error["message"])
         for key in ("error", "detail", "message"):
             if data.get(key):
-                return str(data[key])
-    return _clip(response.text)
+                return _clip(str(data[key]))
+    return _clip(text)
 
 
 def _clip(text: str, limit: int = 300) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def spec_options(query: str, spec: str) -> dict[str, Any]:
+    """The `?name=value&...` options of an openai spec as keyword arguments (see `SPEC_OPTIONS`)."""
+    try:
+        pairs = urllib.parse.parse_qsl(query, keep_blank_values=True, strict_parsing=True) if query else []
+    except ValueError:
+        raise PolicySpecError(f"cannot read the options {query!r} of {spec!r}: expected name=value pairs joined by '&'") from None
+    options: dict[str, Any] = {}
+    for name, value in pairs:
+        if name not in SPEC_OPTIONS:
+            raise PolicySpecError(f"{spec!r} sets an unknown option {name!r}; options: {', '.join(SPEC_OPTIONS)}.{did_you_mean(name, SPEC_OPTIONS)}")
+        if name in options:
+            raise PolicySpecError(f"{spec!r} sets the option {name!r} twice")
+        read, kind = SPEC_OPTIONS[name]
+        try:
+            options[name] = read(value)
+        except ValueError:
+            raise PolicySpecError(f"{spec!r}: option {name}={value!r} is not {kind}") from None
+    return options
+
+
 def _validate(
-    model: str,
-    base_url: str,
-    temperature: float,
-    top_p: float,
-    max_tokens: int,
-    max_retries: int,
-    backoff_s: float,
-    concurrency: int,
-) -> None:
+    *, model: str, base_url: str, temperature: float, top_p: float, max_tokens: int, timeout_s: float, deadline_s: float,
+    max_retries: int, backoff_s: float, max_retry_after_s: float, max_reply_bytes: int, concurrency: int,
+) -> None:  # fmt: skip
     checks = [
         (bool(model), f"model must be a non-empty name, got {model!r}"),
         (base_url.startswith(("http://", "https://")), f"base_url must be an http(s) URL, got {base_url!r}"),
         (temperature >= 0, f"temperature must be >= 0, got {temperature}"),
         (0 < top_p <= 1, f"top_p must be in (0, 1], got {top_p}"),
         (max_tokens >= 1, f"max_tokens must be >= 1, got {max_tokens}"),
+        (timeout_s > 0, f"timeout_s must be > 0 seconds, got {timeout_s}"),
+        (deadline_s > 0, f"deadline_s must be > 0 seconds, got {deadline_s}"),
         (max_retries >= 0, f"max_retries must be >= 0, got {max_retries}"),
         (backoff_s >= 0, f"backoff_s must be >= 0, got {backoff_s}"),
+        (max_retry_after_s >= 0, f"max_retry_after_s must be >= 0, got {max_retry_after_s}"),
+        (max_reply_bytes >= 1, f"max_reply_bytes must be >= 1, got {max_reply_bytes}"),
         (concurrency >= 1, f"concurrency must be >= 1, got {concurrency}"),
     ]
     for ok, message in checks:
         if not ok:
-            raise ValueError(message)
+            raise PolicySpecError(message)

@@ -13,7 +13,7 @@ from envs.errors import CgymError, did_you_mean
 SPEC_FORMS = (
     "scripted:<agent> (e.g. scripted:oracle)",
     "hf:<hub-name-or-local-dir> (e.g. hf:runs/tiny)",
-    "openai:<model>@<base_url> (e.g. openai:Qwen/Qwen2.5-0.5B-Instruct@http://127.0.0.1:8000/v1)",
+    "openai:<model>@<base_url>[?timeout_s=60&max_retries=4&deadline_s=120&max_reply_bytes=1048576] (e.g. openai:Qwen/Qwen2.5-0.5B-Instruct@http://127.0.0.1:8000/v1)",
     "vllm:<hub-name-or-local-dir>",
     "guarded:<spec> (runtime validation + retries around any policy)",
     "prompted:<spec> (the prompt-only baseline: the article's rules in the system prompt)",
@@ -22,7 +22,7 @@ KINDS = ("scripted", "hf", "openai", "vllm", "guarded", "prompted")
 
 
 class PolicySpecError(CgymError, ValueError):
-    """A policy spec that does not parse."""
+    """A policy spec that does not parse, or an option of the policy outside its valid range."""
 
 
 @dataclass(frozen=True)
@@ -38,9 +38,8 @@ class SamplingOptions:
 def parse_spec(spec: str) -> tuple[str, str]:
     """Split `kind:rest`, with a message listing every valid form when it fails."""
     kind, sep, rest = spec.partition(":")
-    if not sep or not rest or kind not in KINDS:
-        forms = "\n  ".join(SPEC_FORMS)
-        raise PolicySpecError(f"cannot read the policy spec {spec!r}.{did_you_mean(kind, KINDS)} Valid forms:\n  {forms}")
+    if not sep or not rest.strip() or kind not in KINDS:
+        raise PolicySpecError(f"cannot read the policy spec {spec!r}.{did_you_mean(kind, KINDS)} Valid forms: {'; '.join(SPEC_FORMS)}")
     return kind, rest
 
 

@@ -1,19 +1,64 @@
-"""`cgym`: the command line. Each subcommand is a small function; heavy imports stay lazy."""
+"""`cgym`: the command line. Each subcommand is a small function; heavy imports stay lazy.
+
+Every error a user can cause (a bad flag value, env kwarg, policy spec, model name or output
+path, a diverged run) ends the command with one `error: ...` line on stderr and exit code 2,
+before any work is done where it can be checked up front.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
+from envs.errors import CgymError
+
 console = Console()
+err_console = Console(stderr=True, soft_wrap=True, highlight=False)
 Command = Callable[[argparse.Namespace], int]
+
+
+class UsageError(CgymError, ValueError):
+    """A command line that cannot run: a bad env kwarg, an unwritable output, a missing flag."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors on one line (exit 2) instead of the usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _bounded(kind: type, ok: Callable[[Any], bool], rule: str) -> Callable[[str], Any]:
+    """An argparse type: `kind(text)` that must pass `ok`; `rule` says how in the error."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'a whole number' if kind is int else 'a number'}, got {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
+        return value
+
+    return parse
+
+
+COUNT = _bounded(int, lambda v: v >= 1, ">= 1")
+NATURAL = _bounded(int, lambda v: v >= 0, ">= 0")
+NON_NEGATIVE = _bounded(float, lambda v: v >= 0, ">= 0")
+POSITIVE = _bounded(float, lambda v: v > 0, "> 0")
+SHARE = _bounded(float, lambda v: 0 <= v <= 1, "in [0, 1]")
+TOP_P = _bounded(float, lambda v: 0 < v <= 1, "in (0, 1]")
 
 
 def _json_arg(text: str) -> dict[str, Any]:
@@ -24,6 +69,42 @@ def _json_arg(text: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"difficulty\": \"hard\"}}', got {text!r}")
     return value
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Fail now, not after the run, when an output file or directory cannot be written."""
+    for flag in ("json", "plot", "html"):
+        path = getattr(args, flag, None)
+        if path is not None:
+            if path.is_dir():
+                raise UsageError(f"--{flag} {path} is a directory; give a file path")
+            _probe_directory(path.parent, f"--{flag} {path}")
+    if getattr(args, "out", None) is not None:
+        _probe_directory(Path(args.out), f"--out {args.out}")
+
+
+def _probe_directory(directory: Path, what: str) -> None:
+    probe = directory / ".cgym-write-probe"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise UsageError(f"cannot write {what}: {exc.strerror or exc} ({directory})") from None
+
+
+def _check_env(args: argparse.Namespace) -> None:
+    """Build the env once, so a bad --env-kwargs value stops the command before a model loads."""
+    if getattr(args, "env_kwargs", None) is None or getattr(args, "env", None) is None:
+        return
+    from envs import make
+
+    try:
+        make(args.env, **args.env_kwargs).close()
+    except CgymError:
+        raise
+    except (TypeError, ValueError) as exc:  # an env constructor's own check of a value
+        raise UsageError(f"{args.env} rejected --env-kwargs {json.dumps(args.env_kwargs)}: {exc}") from None
 
 
 def _write_json(path: Path | None, data: Any) -> None:
@@ -196,8 +277,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     specs = ([args.before] if args.before else []) + list(args.policy or []) + ([args.after] if args.after else [])
     if len(specs) < 2:
-        console.print("[red]error:[/red] give --before and --after, or --policy at least twice")
-        return 2
+        raise UsageError("give --before and --after, or --policy at least twice")
     kwargs = {"split": "test", **args.env_kwargs}
     config = EvalConfig(args.env, kwargs, episodes=args.episodes, seed=args.seed, batch_size=args.batch_size)
     arms = [(spec, load_policy(spec, _sampling(args))) for spec in specs]
@@ -228,13 +308,13 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
 
 # -- parser ---------------------------------------------------------------------------------
 def _add_sampling(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (model policies)")
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (model policies)")
-    parser.add_argument("--max-new-tokens", type=int, default=256, help="tokens per assistant turn (model policies)")
+    parser.add_argument("--temperature", type=NON_NEGATIVE, default=1.0, help="sampling temperature (model policies)")
+    parser.add_argument("--top-p", type=TOP_P, default=1.0, help="nucleus sampling (model policies)")
+    parser.add_argument("--max-new-tokens", type=COUNT, default=256, help="tokens per assistant turn (model policies)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="cgym", description="critique-gym: verifiable rewards, critiques and GRPO for tool-calling agents.")
+    parser = _Parser(prog="cgym", description="critique-gym: verifiable rewards, critiques and GRPO for tool-calling agents.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("envs", help="list registered envs")
@@ -244,7 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("play", help="one transcript, with rewards and critiques")
     p.add_argument("env")
     p.add_argument("--policy", default="scripted:oracle")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=NATURAL, default=0)
     p.add_argument("--env-kwargs", type=_json_arg, default={})
     _add_sampling(p)
     p.set_defaults(func=cmd_play)
@@ -253,11 +333,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--env", required=True)
     p.add_argument("--env-kwargs", type=_json_arg, default={})
     p.add_argument("--policy", required=True)
-    p.add_argument("--episodes", type=int, default=100)
+    p.add_argument("--episodes", type=COUNT, default=100)
     p.add_argument("--split", choices=["train", "test"], default="test")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--samples", type=int, default=1, help="tries per task, for pass@k")
-    p.add_argument("--batch-size", type=int, default=32, help="episodes run at once")
+    p.add_argument("--seed", type=NATURAL, default=0)
+    p.add_argument("--samples", type=COUNT, default=1, help="tries per task, for pass@k")
+    p.add_argument("--batch-size", type=COUNT, default=32, help="episodes run at once")
     p.add_argument("--self-critique", action="store_true", help="the policy critiques its own answer and refines once; report both")
     p.add_argument("--json", type=Path)
     _add_sampling(p)
@@ -266,14 +346,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("audit", help="reward-hacking audit with the env's exploit agents")
     p.add_argument("--env", required=True)
     p.add_argument("--env-kwargs", type=_json_arg, default={})
-    p.add_argument("--episodes", type=int, default=50)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--episodes", type=COUNT, default=50)
+    p.add_argument("--seed", type=NATURAL, default=0)
     p.add_argument("--json", type=Path)
     p.set_defaults(func=cmd_audit)
 
     p = sub.add_parser("tiny", help="build the embedded tiny model (tokenizer + Qwen2-architecture model)")
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=NATURAL, default=0)
     p.set_defaults(func=cmd_tiny)
 
     p = sub.add_parser("model", help="fetch and convert a pretrained model by short name (once; cached)")
@@ -287,13 +367,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--env-kwargs", type=_json_arg, default={})
     p.add_argument("--model", default="smollm2-135m", help="model to start from: smollm2-135m (default), tiny, a directory or a .gguf file")
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--episodes", type=int, default=400, help="demonstrations to train on")
-    p.add_argument("--imperfect", type=float, default=0.3, help="share of demonstrations from flawed agents")
-    p.add_argument("--refinements", type=int, default=0, help="extra critique-taking demos (failed attempt + critique -> solution)")
-    p.add_argument("--epochs", type=float, default=3.0)
-    p.add_argument("--lr", type=float, default=5e-5, help="AdamW learning rate (5e-5 suits SmolLM2; the tiny model trains at 3e-3)")
-    p.add_argument("--time-budget", type=float, default=0.0, help="seconds (0: no limit)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--episodes", type=COUNT, default=400, help="demonstrations to train on")
+    p.add_argument("--imperfect", type=SHARE, default=0.3, help="share of demonstrations from flawed agents")
+    p.add_argument("--refinements", type=NATURAL, default=0, help="extra critique-taking demos (failed attempt + critique -> solution)")
+    p.add_argument("--epochs", type=POSITIVE, default=3.0)
+    p.add_argument("--lr", type=POSITIVE, default=5e-5, help="AdamW learning rate (5e-5 suits SmolLM2; the tiny model trains at 3e-3)")
+    p.add_argument("--time-budget", type=NON_NEGATIVE, default=0.0, help="seconds (0: no limit)")
+    p.add_argument("--seed", type=NATURAL, default=0)
     p.set_defaults(func=cmd_sft)
 
     p = sub.add_parser("train", help="GRPO / Critique-GRPO on an env's train split")
@@ -338,9 +418,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--before", help="first policy (e.g. the prompt-only baseline)")
     p.add_argument("--after", help="last policy (e.g. the trained model)")
     p.add_argument("--policy", action="append", help="more arms, in order (repeatable)")
-    p.add_argument("--episodes", type=int, default=100)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--episodes", type=COUNT, default=100)
+    p.add_argument("--seed", type=NATURAL, default=0)
+    p.add_argument("--batch-size", type=COUNT, default=32)
     p.add_argument("--json", type=Path)
     p.add_argument("--plot", type=Path, help="PNG: success and check pass rates, critique codes")
     p.add_argument("--html", type=Path, help="self-contained report.html (and a .md next to it)")
@@ -350,23 +430,24 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("quickstart", help="the whole story on CPU: pretrained model, SFT, GRPO, compare, report")
     p.add_argument("--out", type=Path, default=Path("quickstart"))
     p.add_argument("--model", default="smollm2-135m", help="smollm2-135m (default), tiny, a directory or a .gguf file")
-    p.add_argument("--sft-demos", type=int, default=80, help="demonstrations for the warm start (few, so GRPO has room)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sft-demos", type=COUNT, default=80, help="demonstrations for the warm start (few, so GRPO has room)")
+    p.add_argument("--seed", type=NATURAL, default=0)
     p.set_defaults(func=cmd_quickstart)
 
     p = sub.add_parser("bench", help="benchmarks: env overhead per step, trainer vs TRL")
     p.add_argument("what", choices=["env", "trainer"])
     p.add_argument("--env", default="cgym/ApiReport-v0")
     p.add_argument("--env-kwargs", type=_json_arg, default={})
-    p.add_argument("--episodes", type=int, default=300)
-    p.add_argument("--vs", default="trl")
-    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--episodes", type=COUNT, default=300)
+    p.add_argument("--vs", default="trl", choices=["trl"])
+    p.add_argument("--steps", type=COUNT, default=5)
     p.add_argument("--json", type=Path)
     p.set_defaults(func=cmd_bench)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; a user error is one `error: ...` line on stderr and exit code 2."""
     args = build_parser().parse_args(argv)
     if args.command not in ("envs", "audit") and not (args.command == "bench" and args.what == "env"):
         from transformers.utils import logging as hf_logging
@@ -374,13 +455,23 @@ def main(argv: list[str] | None = None) -> int:
         hf_logging.disable_progress_bar()  # "Loading weights" bars drown the transcripts
     if not hasattr(args, "seed"):
         args.seed = 0
-    from envs.errors import CgymError
+    with warnings.catch_warnings():
+        warnings.showwarning = _show_warning
+        try:
+            _check_outputs(args)
+            _check_env(args)
+            return args.func(args)
+        except CgymError as exc:
+            err_console.print(f"[red]error:[/red] {escape(_one_line(exc))}")
+            return 2
 
-    try:
-        return args.func(args)
-    except CgymError as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        return 2
+
+def _one_line(error: BaseException | str) -> str:
+    return re.sub(r"\s*\n\s*", " ", str(error).strip()) or type(error).__name__
+
+
+def _show_warning(message: Warning | str, category: type[Warning], *_: Any, **__: Any) -> None:
+    err_console.print(f"[yellow]warning:[/yellow] {escape(_one_line(message))}")
 
 
 if __name__ == "__main__":

@@ -6,12 +6,18 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
-from trainer.losses import ADVANTAGE_SCALES, LOSS_TYPES, AdvantageScale, LossType, check_loss_type
+from envs.errors import CgymError, did_you_mean
+from trainer.losses import ADVANTAGE_SCALES, LOSS_TYPES, AdvantageScale, LossType
 
 ZeroStd = Literal["keep", "drop", "resample"]
+ZERO_STD: tuple[str, ...] = get_args(ZeroStd)
 Trainable = Literal["all", "attention", "no_embeddings"]
 TRAINABLE: tuple[str, ...] = get_args(Trainable)
 CRITIQUE_STYLES = ("none", "indicative", "ground_truth", "step")
+
+
+class ConfigError(CgymError, ValueError):
+    """A training setting outside its valid range or choices; the message names the field."""
 
 
 @dataclass(frozen=True)
@@ -99,27 +105,29 @@ class TrainConfig:
     """Show a progress bar."""
 
     def __post_init__(self) -> None:
-        check_loss_type(self.loss_type)
-        _choice("scale", self.scale, ADVANTAGE_SCALES)
-        _choice("zero_std", self.zero_std, ("keep", "drop", "resample"))
-        _choice("trainable", self.trainable, TRAINABLE)
+        for name, choices in (("loss_type", LOSS_TYPES), ("scale", ADVANTAGE_SCALES), ("zero_std", ZERO_STD), ("trainable", TRAINABLE)):
+            _choice(name, getattr(self, name), choices)
         if not (self.critique in CRITIQUE_STYLES or self.critique.startswith("model:")):
-            raise ValueError(f"critique={self.critique!r}: choose one of {list(CRITIQUE_STYLES)} or 'model:<policy-spec>'")
-        for name in ("steps", "group_size", "tasks_per_step", "micro_batch_size", "num_iterations", "max_new_tokens", "refine_attempts"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.task_pool < 0:
-            raise ValueError(f"task_pool must be >= 0 (0: the whole train split), got {self.task_pool}")
-        if self.eval_episodes < 0:
-            raise ValueError(f"eval_episodes must be >= 0 (0: no test evaluation), got {self.eval_episodes}")
-        if self.group_size < 2:
-            raise ValueError("group_size must be >= 2: GRPO compares trajectories within a group")
+            raise ConfigError(f"critique={self.critique!r}: choose one of {list(CRITIQUE_STYLES)} or 'model:<policy-spec>'.{did_you_mean(self.critique, CRITIQUE_STYLES)}")
         if not self.model:
-            raise ValueError("model is required (a local directory or hub name)")
-        if not 0 < self.refine_fail_fraction <= 1 or self.gamma <= 0 or self.refine_k < 0:
-            raise ValueError("need 0 < refine_fail_fraction <= 1, gamma > 0, refine_k >= 0")
-        if self.beta < 0 or self.learning_rate <= 0:
-            raise ValueError("need beta >= 0 and learning_rate > 0")
+            raise ConfigError("model is required (a local directory or hub name)")
+        for ok, message in self._range_checks():
+            if not ok:
+                raise ConfigError(message)
+
+    def _range_checks(self) -> list[tuple[bool, str]]:
+        at_least_one = ("steps", "tasks_per_step", "micro_batch_size", "num_iterations", "max_new_tokens", "refine_attempts")
+        at_least_zero = ("task_pool", "eval_episodes", "eval_every", "save_every", "warmup_steps", "seed", "lora_r", "refine_k", "time_budget_s", "weight_decay", "beta", "temperature", "epsilon_low", "epsilon_high")
+        return [
+            *((getattr(self, n) >= 1, f"{n} must be >= 1, got {getattr(self, n)}") for n in at_least_one),
+            *((getattr(self, n) >= 0, f"{n} must be >= 0, got {getattr(self, n)}") for n in at_least_zero),
+            (self.group_size >= 2, f"group_size must be >= 2, got {self.group_size}: GRPO compares trajectories within a group"),
+            (self.learning_rate > 0, f"learning_rate must be > 0, got {self.learning_rate}"),
+            (self.max_grad_norm > 0, f"max_grad_norm must be > 0, got {self.max_grad_norm}"),
+            (self.gamma > 0, f"gamma must be > 0, got {self.gamma}"),
+            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            (0 < self.refine_fail_fraction <= 1, f"refine_fail_fraction must be in (0, 1], got {self.refine_fail_fraction}"),
+        ]
 
     @property
     def model_path(self) -> str:
@@ -139,7 +147,7 @@ class TrainConfig:
 
 def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
-        raise ValueError(f"{name}={value!r}: choose one of {list(choices)}")
+        raise ConfigError(f"{name}={value!r}: choose one of {list(choices)}.{did_you_mean(value, choices)}")
 
 
-__all__ = ["LOSS_TYPES", "TrainConfig", "ZeroStd"]
+__all__ = ["LOSS_TYPES", "ConfigError", "TrainConfig", "ZeroStd"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +30,7 @@ from agents.sampling import sequence_logprobs
 from envs.registration import make
 from trainer.checkpoint import latest_checkpoint, load_state, save_checkpoint
 from trainer.config import TrainConfig
+from trainer.finite import check_finite
 from trainer.losses import policy_loss, token_normalizer, unified_advantages
 from trainer.metrics import HackingMonitor, MetricsLog, plot_curve, rollout_metrics
 from trainer.refine import rebase, sample_subset, select_refinements, should_refine
@@ -64,6 +66,8 @@ def setup(config: TrainConfig, *, make_env: EnvFactory | None = None, resume: bo
     """Load the model (or the latest checkpoint), optimizer, scheduler, reference and critic."""
     out = Path(config.out)
     checkpoint = latest_checkpoint(out) if resume else None
+    if resume and checkpoint is None:
+        warnings.warn(f"resume: no checkpoint under {out / 'checkpoints'} yet; starting from step 0", stacklevel=2)
     torch.manual_seed(config.seed)
     policy = HFPolicy.from_pretrained(checkpoint or config.model_path, temperature=config.temperature, top_p=config.top_p, max_new_tokens=config.max_new_tokens, seed=config.seed)
     if config.lora_r > 0:
@@ -74,14 +78,34 @@ def setup(config: TrainConfig, *, make_env: EnvFactory | None = None, resume: bo
     warmup = max(config.warmup_steps, 1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
     start = load_state(checkpoint, optimizer=optimizer, scheduler=scheduler) if checkpoint else 0
-    if not resume:
-        (out / "metrics.jsonl").unlink(missing_ok=True)
+    rewind_metrics(out / "metrics.jsonl", start)
     factory = make_env or (lambda split: make(config.env_id, **{**config.env_kwargs, "split": split}))
     probe = factory("train")
     max_turns = int(getattr(probe.unwrapped, "max_turns", 1))
     probe.close()
     reference = copy.deepcopy(policy.model).eval().requires_grad_(False) if config.beta > 0 else None
     return TrainState(config, policy, optimizer, scheduler, factory, reference, _critic(config), MetricsLog(out / "metrics.jsonl"), HackingMonitor(), config.max_new_tokens * max_turns, start)
+
+
+def rewind_metrics(path: Path, step: int) -> None:
+    """Keep the metrics rows up to `step` (none at 0), so the steps a resume re-runs are logged once.
+
+    A row torn by a crash mid-write is dropped with the rest of the tail.
+    """
+    if step == 0 or not path.exists():
+        path.unlink(missing_ok=True)
+        return
+    kept: list[str] = []
+    for line in filter(str.strip, path.read_text().splitlines()):
+        try:
+            row = json.loads(line)
+        except ValueError:
+            break
+        if row.get("step", 0) <= step:
+            kept.append(line + "\n")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept))
+    tmp.replace(path)
 
 
 def _critic(config: TrainConfig) -> Any:
@@ -138,7 +162,7 @@ def train_step(state: TrainState, step: int) -> dict[str, Any]:
     advantages = advantages[torch.tensor(keep, dtype=torch.bool)]
 
     # 4. update: num_iterations passes over micro-batches, one optimizer step per pass
-    update = _update(state, batch_trajs, advantages) if batch_trajs else {"loss": 0.0}
+    update = _update(state, batch_trajs, advantages, step) if batch_trajs else {"loss": 0.0}
     elapsed = time.perf_counter() - started
     sampled = sum(t.sampled_tokens for t in trajectories + refined)
 
@@ -228,7 +252,7 @@ def _keep_rows(trajs: list[Trajectory], rewards: torch.Tensor, groups: torch.Ten
     return keep
 
 
-def _update(state: TrainState, trajs: list[Trajectory], advantages: torch.Tensor) -> dict[str, Any]:
+def _update(state: TrainState, trajs: list[Trajectory], advantages: torch.Tensor, step: int) -> dict[str, Any]:
     cfg = state.config
     state.model.train()
     pad = state.policy.tokenizer.pad_token_id or 0
@@ -264,12 +288,14 @@ def _update(state: TrainState, trajs: list[Trajectory], advantages: torch.Tensor
                 max_completion_length=state.max_completion_length, ref_logp=ref, beta=cfg.beta,
                 shaped=mb.shaped if cfg.shaping else None, gamma=cfg.gamma, normalizer=normalizer,
             )  # fmt: skip
+            check_finite("loss", loss.detach(), step=step)
             loss.backward()
             totals["loss"] += loss.item()
             for key in ("clip_frac_low", "clip_frac_high", "kl"):
                 totals[key] += float(stats[key])
             n_micro += 1
         grad_norm = torch.nn.utils.clip_grad_norm_(state.model.parameters(), cfg.max_grad_norm)
+        check_finite("gradient norm", grad_norm, step=step)
         state.optimizer.step()
         state.scheduler.step()
         state.optimizer.zero_grad(set_to_none=True)

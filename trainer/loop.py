@@ -19,6 +19,7 @@ from agents.episodes import run_episodes
 from agents.hf import HFPolicy
 from agents.sampling import sequence_logprobs
 from envs.registration import make
+from trainer.finite import check_finite
 from trainer.losses import LossType, group_advantages, policy_loss
 from trainer.rollout import Trajectory, pack
 
@@ -40,12 +41,17 @@ def group_normalize(scores: Sequence[float]) -> torch.Tensor:
 
 
 def update_policy(policy: HFPolicy, responses: Sequence[Trajectory], advantages: torch.Tensor, optimizer: torch.optim.Optimizer, *, loss_type: LossType = "dapo") -> float:
-    """One clipped policy-gradient step on the sampled tokens; returns the loss."""
+    """One clipped policy-gradient step on the sampled tokens; returns the loss.
+
+    A NaN or inf loss or gradient raises `NonFiniteError` before the optimizer step.
+    """
     batch = pack(responses, advantages, pad_id=policy.tokenizer.pad_token_id or 0)
     policy.model.train()
     logp = sequence_logprobs(policy.model, batch.ids, batch.attention, policy.params.temperature)
     loss, _ = policy_loss(logp, batch.old_logp, batch.advantages, batch.mask, loss_type=loss_type)
+    check_finite("loss", loss.detach())
     loss.backward()
+    check_finite("gradient norm", torch.nn.utils.clip_grad_norm_(policy.model.parameters(), float("inf")))  # the norm, unclipped
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     policy.model.eval()

@@ -63,7 +63,7 @@ class ApiReportEnv(AgentEnv):
         self.faults = float(fault_rate)
         self.rubric = rubric or default_rubric()
         self._client: httpx.Client | None = None
-        super().__init__(max_turns=max_turns or DEFAULT_MAX_TURNS[difficulty], render_mode=render_mode)
+        super().__init__(max_turns=DEFAULT_MAX_TURNS[difficulty] if max_turns is None else max_turns, render_mode=render_mode)
 
     # -- episode setup -------------------------------------------------------------------
     def _sample_task(self, rng: np.random.Generator) -> ReportTask:

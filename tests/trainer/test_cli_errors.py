@@ -1,0 +1,108 @@
+"""Every user error ends `cgym` with one `error:` line on stderr and exit code 2, never a traceback."""
+
+from __future__ import annotations
+
+import importlib.util
+import socket
+from pathlib import Path
+
+import pytest
+
+from trainer.cli import main
+from trainer.finite import NonFiniteError
+
+API = ["--env", "cgym/ApiReport-v0"]
+SQL = ["--env", "cgym/SqlQuery-v0"]
+EVAL = ["eval", *API, "--policy", "scripted:oracle", "--episodes", "1"]
+TRAIN = ["train", *API, "--model", "tiny", "--out", "{tmp}/run"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+BAD = [
+    pytest.param([*EVAL, "--env-kwargs", '{"faults": 2}'], "faults", id="faults-out-of-range"),
+    pytest.param([*EVAL, "--env-kwargs", '{"faults": "x"}'], "faults", id="faults-not-a-number"),
+    pytest.param(["eval", *SQL, "--policy", "scripted:oracle", "--env-kwargs", '{"query_timeout_s": 0}'], "query_timeout_s", id="query-timeout-zero"),
+    pytest.param(["eval", *SQL, "--policy", "scripted:oracle", "--env-kwargs", '{"max_turns": 0}'], "max_turns", id="sql-max-turns-zero"),
+    pytest.param([*EVAL, "--env-kwargs", '{"max_turns": 0}'], "max_turns", id="api-max-turns-zero"),
+    pytest.param([*EVAL, "--env-kwargs", '{"difficulty": "hardest"}'], "difficulty", id="bad-choice"),
+    pytest.param([*EVAL, "--env-kwargs", '{"bogus": 1}'], "bogus", id="unknown-kwarg"),
+    pytest.param([*EVAL, "--env-kwargs", "[1]"], "JSON object", id="kwargs-not-an-object"),
+    pytest.param(["eval", "--env", "cgym/Nope-v0", "--policy", "scripted:oracle"], "no env registered", id="unknown-env"),
+    pytest.param([*EVAL[:-1], "0"], "--episodes", id="episodes-zero"),
+    pytest.param([*EVAL, "--samples", "0"], "--samples", id="samples-zero"),
+    pytest.param([*EVAL, "--batch-size", "0"], "--batch-size", id="batch-size-zero"),
+    pytest.param([*EVAL, "--temperature", "-1"], "--temperature", id="temperature-negative"),
+    pytest.param([*EVAL, "--top-p", "0"], "--top-p", id="top-p-zero"),
+    pytest.param([*EVAL, "--max-new-tokens", "0"], "--max-new-tokens", id="max-new-tokens-zero"),
+    pytest.param(["play", "cgym/ApiReport-v0", "--seed", "-5"], "--seed", id="play-negative-seed"),
+    pytest.param(["eval", *API, "--policy", "hf:{tmp}/no/such/model"], "no model at", id="hf-missing-model"),
+    pytest.param(["eval", *API, "--policy", "hf:{tmp}"], "cannot load the model", id="hf-not-a-model-directory"),
+    pytest.param(["eval", *API, "--policy", "openai:bad"], "openai:<model>@<base_url>", id="openai-malformed"),
+    pytest.param(["eval", *API, "--policy", "openai:m@http://127.0.0.1:{port}/v1?max_retries=0"], "ConnectError", id="openai-unreachable"),
+    pytest.param(["eval", *API, "--policy", "openai:m@http://127.0.0.1:{port}/v1?max_retrys=1"], "Did you mean 'max_retries'", id="openai-unknown-option"),
+    pytest.param(["eval", *API, "--policy", "openai:m@http://127.0.0.1:{port}/v1?timeout_s=0"], "timeout_s", id="openai-bad-option"),
+    pytest.param(
+        ["eval", *API, "--policy", "vllm:Qwen/Qwen2.5-0.5B-Instruct"], "vLLM is not installed", id="vllm-missing",
+        marks=pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed"),
+    ),  # fmt: skip
+    pytest.param(["eval", *API, "--policy", "scriptd:oracle"], "Did you mean 'scripted'", id="unknown-policy-kind"),
+    pytest.param([*TRAIN, "--steps", "0"], "steps must be >= 1", id="train-steps-zero"),
+    pytest.param([*TRAIN, "--group-size", "1"], "group_size must be >= 2", id="train-group-of-one"),
+    pytest.param([*TRAIN, "--seed", "-1"], "seed must be >= 0", id="train-negative-seed"),
+    pytest.param([*TRAIN, "--lr", "0"], "learning_rate", id="train-lr-zero"),
+    pytest.param([*TRAIN, "--critique", "steps"], "Did you mean 'step'", id="train-critique-typo"),
+    pytest.param([*EVAL, "--json", "{tmp}/a-file/out.json"], "cannot write --json", id="json-unwritable"),
+    pytest.param([*EVAL, "--json", "{tmp}"], "is a directory", id="json-is-a-directory"),
+    pytest.param(["audit", *API, "--episodes", "0"], "--episodes", id="audit-episodes-zero"),
+    pytest.param(["sft", *API, "--out", "{tmp}/sft", "--episodes", "0"], "--episodes", id="sft-episodes-zero"),
+    pytest.param(["compare", *API, "--before", "scripted:oracle"], "--before and --after", id="compare-one-arm"),
+]
+
+
+def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    try:
+        code = main(argv)
+    except SystemExit as exit_:  # argparse
+        code = int(exit_.code or 0)
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("argv", "expected"), BAD)
+def test_user_errors_are_one_line_and_exit_2(argv: list[str], expected: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "a-file").write_text("not a directory")
+    port = _free_port()
+    code, err = run_cli([arg.replace("{tmp}", str(tmp_path)).replace("{port}", str(port)) for arg in argv], capsys)
+    assert code == 2, err
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "error:" in lines[0], err
+    assert expected in lines[0]
+
+
+def test_an_unwritable_json_path_fails_before_the_evaluation(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    import agents.evaluate
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("the evaluation ran although its result could not be written")
+
+    monkeypatch.setattr(agents.evaluate, "evaluate", must_not_run)
+    (tmp_path / "a-file").write_text("")
+    code, err = run_cli([*EVAL, "--json", str(tmp_path / "a-file" / "out.json")], capsys)
+    assert code == 2 and "cannot write --json" in err
+
+
+def test_a_diverged_run_exits_2_with_the_step(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    import trainer.grpo
+
+    def diverge(config, **kwargs):
+        raise NonFiniteError("step 3: the loss is nan (the weights or the update diverged)")
+
+    monkeypatch.setattr(trainer.grpo, "train", diverge)
+    code, err = run_cli(["train", *API, "--model", "tiny", "--out", str(tmp_path / "run"), "--eval-episodes", "0"], capsys)
+    assert code == 2
+    assert err.strip().splitlines() == ["error: step 3: the loss is nan (the weights or the update diverged)"]
