@@ -24,8 +24,16 @@ from agents.base import Conversation, Turn
 from agents.chat import ChatEncoder
 from agents.kv_cache import PrefixCache
 from agents.precision import SamplingWeights
-from agents.pretrained import resolve_model
+from agents.pretrained import SHORT_NAMES, resolve_model
 from agents.sampling import Sample, SamplingParams, sample_batch
+from agents.turn_cache import TurnCache
+from envs.errors import CgymError
+
+MODEL_FORMS = f"give a local model directory, a .gguf file, a short name ({', '.join(SHORT_NAMES)}) or a hub name such as Qwen/Qwen2.5-0.5B-Instruct"
+
+
+class ModelLoadError(CgymError, OSError):
+    """A model that is neither a local model directory nor loadable from the hub."""
 
 
 class HFPolicy:
@@ -55,6 +63,7 @@ class HFPolicy:
         self.tokenizer = tokenizer
         self.encoder = ChatEncoder(tokenizer)
         self.prefix_cache = PrefixCache()  # the system prompt's keys/values, shared by every episode
+        self.turn_cache = TurnCache()  # each live conversation's keys/values, for its next turn
         self.sampling_weights = SamplingWeights(self.model)
         self.generator = torch.Generator(device=device)
         if seed is None:
@@ -77,8 +86,14 @@ class HFPolicy:
         if dtype is None:
             dtype = torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
         path = resolve_model(name_or_path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        if _looks_local(path) and not Path(path).expanduser().exists():
+            raise ModelLoadError(f"no model at {path}: that directory does not exist ({MODEL_FORMS})")
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        except (OSError, ValueError) as exc:  # transformers: not a model directory, not on the hub, offline
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ModelLoadError(f"cannot load the model {str(name_or_path)!r}: {reason}") from None
         return cls(model, tokenizer, device=device, name=f"hf:{name_or_path}", **kw)
 
     @property
@@ -106,6 +121,8 @@ class HFPolicy:
             pad_id=pad_id if pad_id is not None else self.encoder.end_of_turn_id,
             generator=self.generator,
             prefix_cache=self.prefix_cache,
+            turn_cache=self.turn_cache,
+            turn_keys=[id(conv) for conv in batch],
         )
         return [self._record(conv, sample) for conv, sample in zip(batch, samples, strict=True)]
 
@@ -126,3 +143,8 @@ class HFPolicy:
         return Turn(
             text=text, token_ids=tuple(ids), logprobs=tuple(logprobs), truncated=not sample.stopped
         )
+
+
+def _looks_local(name: str) -> bool:
+    """A filesystem path rather than a hub id (`org/name`): absolute, `./`, `../`, `~` or deeper than one slash."""
+    return Path(name).is_absolute() or name.startswith((".", "~")) or name.count("/") > 1

@@ -10,7 +10,7 @@ forward pass over stored ids that a trainer uses to recompute (and differentiate
 from __future__ import annotations
 
 import inspect
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Hashable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import cache
@@ -20,7 +20,8 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from agents.kv_cache import PrefixCache, dynamic_cache, growing_cache, shared_prefix, use_prefix_attention
+from agents.kv_cache import GrowingLayer, PrefixCache, dynamic_cache, growing_cache, shared_prefix, use_prefix_attention
+from agents.turn_cache import Reuse, TurnCache
 
 
 @dataclass(frozen=True)
@@ -184,6 +185,8 @@ def sample_batch(
     generator: torch.Generator | None = None,
     prefix_cache: PrefixCache | None = None,
     share_prefix: bool = True,
+    turn_cache: TurnCache | None = None,
+    turn_keys: Sequence[Hashable] | None = None,
 ) -> list[Sample]:
     """Sample one continuation per prompt, stopping each row at a stop id or max_new_tokens.
 
@@ -192,6 +195,9 @@ def sample_batch(
     The leading ids that every prompt shares are run once, with batch 1, and reach every row
     through the KV cache (rows are laid out `[shared | left padding | own ids | sampled]`);
     `prefix_cache` keeps that prefix's keys and values for the next call with the same weights.
+    `turn_cache` keeps each row's keys and values under its `turn_keys` entry (a conversation's
+    key), so the row's next call prefills only the ids appended since; rows are then laid out
+    `[shared | padding | cached ids | padding | new ids | sampled]`.
     """
     if not prompts:
         return []
@@ -200,8 +206,36 @@ def sample_batch(
     shared = common_prefix_len(prompts) if share_prefix else 0
     head = _prefix_cache_kv(model, prompts[0][:shared], prefix_cache) if shared >= MIN_SHARED_PREFIX else None
     served = head is not None and use_prefix_attention(model)
+    rows = None
+    if turn_cache is not None and turn_keys is not None:
+        if len(turn_keys) != len(prompts):
+            raise ValueError(f"{len(turn_keys)} turn keys for {len(prompts)} prompts")
+        rows = _TurnRows(turn_cache, turn_keys, prompts, shared if head is not None else 0, served)
     with shared_prefix(*head) if served and head else nullcontext():
-        return _decode(model, prompts, head, served, params, stop_ids, pad_id, generator)
+        return _decode(model, prompts, head, served, params, stop_ids, pad_id, generator, rows)
+
+
+@dataclass
+class _TurnRows:
+    """A call's link to the turn cache: which entry each row reads and writes."""
+
+    cache: TurnCache
+    keys: Sequence[Hashable]
+    prompts: Sequence[Sequence[int]]
+    start: int  # where each row's own ids begin (the shared head ends)
+    served: bool  # the head is outside the batch cache (offset columns)
+
+    def save(self, model: PreTrainedModel, cache: Any, mask: Tensor, local: Tensor, rows: Tensor, out_ids: Tensor, fed: int) -> None:
+        """Store rows' keys/values of their prompt and first `fed` sampled ids; `local` are the
+        rows' indices in the live batch (cache, mask), `rows` their original indices."""
+        offset = self.start if self.served else 0
+        width = mask.shape[1] - (out_ids.shape[1] - fed)  # columns fed so far, head included
+        for i, row in zip(local.tolist(), rows.tolist()):
+            columns = mask[i, self.start : width].nonzero().squeeze(1) + (self.start - offset)
+            ids = list(self.prompts[row][self.start :]) + out_ids[row, :fed].tolist()
+            keys = [layer.keys[i][:, columns] for layer in cache.layers]
+            values = [layer.values[i][:, columns] for layer in cache.layers]
+            self.cache.put(model, self.keys[row], self.start, ids, keys, values)
 
 
 def _decode(
@@ -213,10 +247,14 @@ def _decode(
     stop_ids: Collection[int],
     pad_id: int,
     generator: torch.Generator | None,
+    rows: _TurnRows | None = None,
 ) -> list[Sample]:
     device = model.device
     steps = params.max_new_tokens
-    cache, mask, logits, next_pos = _prefill(model, prompts, head, served, steps, pad_id)
+    reuse = rows.cache.take(model, rows.keys, prompts, rows.start) if rows is not None else None
+    cache, mask, logits, next_pos = _prefill(model, prompts, head, served, steps, pad_id, reuse)
+    if rows is not None and not all(isinstance(layer, GrowingLayer) for layer in cache.layers):
+        rows = None  # e.g. sliding-window layers: not laid out for per-row reuse
 
     batch = len(prompts)
     prompt_width = mask.shape[1] - steps
@@ -232,6 +270,8 @@ def _decode(
         out_lp[active, t] = lp
         done = torch.isin(tok, stop)
         if bool(done.any()):
+            if rows is not None:
+                rows.save(model, cache, mask, done.nonzero().squeeze(1), active[done], out_ids, t)
             finished = active[done].cpu()
             lengths[finished] = t + 1
             stopped[finished] = True
@@ -241,6 +281,8 @@ def _decode(
             active, tok, next_pos, mask = active[keep], tok[keep], next_pos[keep], mask[keep]
             cache.batch_select_indices(keep)
         if t + 1 == steps:
+            if rows is not None:
+                rows.save(model, cache, mask, torch.arange(len(active)), active, out_ids, t)
             break
         logits = _next_logits(model, tok[:, None], mask[:, : prompt_width + t + 1], next_pos, cache)
         next_pos = next_pos + 1
@@ -263,25 +305,56 @@ def _prefill(
     served: bool,
     steps: int,
     pad_id: int,
+    reuse: Sequence[Reuse | None] | None = None,
 ) -> tuple[Any, Tensor, Tensor, Tensor]:
     """Fill the cache with the prompts after the shared `head`; returns (cache, (B, W + steps)
     mask, (B, V) logits of each row's last prompt position, (B, 1) position of the first sampled
     token). A `served` head stays outside the cache (`prefix_attention` reads its one copy);
-    otherwise every row gets a copy of it."""
-    device = model.device
+    otherwise every row gets a copy of it. A row's `reuse` (its ids up to `end`, from a turn
+    cache) goes into the cache as it is, right-aligned, and only the ids after it run now."""
+    device, batch = model.device, len(prompts)
     start = head[0][0].shape[2] if head is not None else 0
-    suffix_ids, suffix_mask = _left_pad([p[start:] for p in prompts], pad_id, steps, device)  # (B, S), (B, S + steps)
+    own = [r.end - start if r is not None else 0 for r in reuse or [None] * batch]
+    suffix_ids, suffix_mask = _left_pad([p[start + n :] for p, n in zip(prompts, own)], pad_id, steps, device)  # (B, S), (B, S + steps)
+    cached_keys, cached_values, cached_mask = _right_aligned(reuse, own, device)  # per layer (B, H, C, D); (B, C)
     cache = growing_cache(model, offset=start if served else 0)
-    mask = suffix_mask
+    copied = head is not None and not served  # every row gets a copy of the head
+    blocks_k = [k.expand(batch, -1, -1, -1) for k in head[0]] if copied and head else []
+    blocks_v = [v.expand(batch, -1, -1, -1) for v in head[1]] if copied and head else []
+    if cached_keys:
+        blocks_k = [torch.cat([a, b], 2) for a, b in zip(blocks_k, cached_keys)] if blocks_k else cached_keys
+        blocks_v = [torch.cat([a, b], 2) for a, b in zip(blocks_v, cached_values)] if blocks_v else cached_values
+    if blocks_k:
+        capacity = blocks_k[0].shape[2] + suffix_mask.shape[1]
+        for layer, k, v in zip(cache.layers, blocks_k, blocks_v):
+            layer.fill(k, v, capacity)
+    mask = torch.cat([cached_mask, suffix_mask], 1)
     if head is not None:
-        if not served:
-            for layer, k, v in zip(cache.layers, *head):
-                layer.fill(k.expand(len(prompts), -1, -1, -1), v.expand(len(prompts), -1, -1, -1), start + suffix_mask.shape[1])
-        mask = torch.cat([torch.ones((len(prompts), start), dtype=torch.long, device=device), suffix_mask], 1)
+        mask = torch.cat([torch.ones((batch, start), dtype=torch.long, device=device), mask], 1)
     width = mask.shape[1] - steps
     positions = position_ids_from_mask(mask[:, :width])
-    logits = _next_logits(model, suffix_ids, mask[:, :width], positions[:, start:], cache)
+    logits = _next_logits(model, suffix_ids, mask[:, :width], positions[:, start + cached_mask.shape[1] :], cache)
     return cache, mask, logits, positions[:, -1:] + 1
+
+
+def _right_aligned(reuse: Sequence[Reuse | None] | None, own: list[int], device: torch.device) -> tuple[list[Tensor], list[Tensor], Tensor]:
+    """Rows' reused keys/values as per-layer (B, H, C, D) blocks, each row right-aligned (zeros,
+    masked out, on its left), and their (B, C) mask; C = the longest reuse (0: empty lists)."""
+    width = max(own, default=0)
+    mask = torch.zeros((len(own), width), dtype=torch.long, device=device)
+    if not width or reuse is None:
+        return [], [], mask
+    like = next(r for r in reuse if r is not None)
+    keys = [k.new_zeros((len(own), k.shape[0], width, k.shape[2])) for k in like.keys]
+    values = [v.new_zeros((len(own), v.shape[0], width, v.shape[2])) for v in like.values]
+    for row, (r, n) in enumerate(zip(reuse, own)):
+        if r is None or not n:
+            continue
+        mask[row, width - n :] = 1
+        for layer in range(len(keys)):
+            keys[layer][row, :, width - n :] = r.keys[layer]
+            values[layer][row, :, width - n :] = r.values[layer]
+    return keys, values, mask
 
 
 def _prefix_cache_kv(model: PreTrainedModel, prefix: Sequence[int], prefix_cache: PrefixCache | None) -> tuple[list[Tensor], list[Tensor]]:

@@ -241,12 +241,12 @@ def _train(
         TextColumn(label),
         BarColumn(),
         MofNCompleteColumn(),
-        TextColumn("loss {task.fields[loss]:.3f}"),
+        TextColumn("loss {task.fields[loss]:.3f} {task.fields[speed]:.0f} tok/s"),
         TimeElapsedColumn(),
         TimeRemainingColumn(),
         disable=not progress,
     ) as bar:
-        task = bar.add_task(label, total=total, loss=float("nan"))
+        task = bar.add_task(label, total=total, loss=float("nan"), speed=0.0)
         for step in range(total):
             done = (step + 1) / total
             if time_budget_s:
@@ -261,8 +261,9 @@ def _train(
             losses.append(loss.item())
             tokens += int(attention.sum())
             loss_tokens += int(loss_mask[:, 1:].sum())
-            bar.update(task, advance=1, loss=losses[-1])
-            if time_budget_s is not None and time.perf_counter() - start > time_budget_s:
+            elapsed = time.perf_counter() - start
+            bar.update(task, advance=1, loss=losses[-1], speed=tokens / max(elapsed, 1e-9))
+            if time_budget_s is not None and elapsed > time_budget_s:
                 bar.update(task, total=step + 1)  # the time budget, not the step count, ended the run
                 break
     model.eval()
