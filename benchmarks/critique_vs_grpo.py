@@ -4,7 +4,9 @@ Usage:
     python -m benchmarks.critique_vs_grpo --model quickstart/sft --difficulty hard \\
         --budget 180 --seeds 0 1 2 --json runs/critique_vs_grpo.json --plot runs/critique_vs_grpo.png
     (--ablations adds indicative / ground-truth critiques and step critiques without shaping;
-     --task-pool N trains on a fixed pool of N train tasks and also reports greedy success on it)
+     --task-pool N trains on a fixed pool of N train tasks and also reports greedy success on it;
+     --env sql runs on SqlQuery; --sft-arm adds "SFT alone": more SFT for the same budget;
+     --eval-every 0 evaluates the start model once and each run's final model, nothing between)
 
     A settings sweep instead of the two arms: repeat --arm NAME=JSON (TrainConfig overrides), and
     --headroom K to measure pass@K at the training temperature of the starting model and of every
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +36,10 @@ ABLATIONS = {
     "critique_grpo_ground_truth": {"critique": "ground_truth"},
     "critique_grpo_step_no_shaping": {"critique": "step", "shaping": False},
 }
+
+
+ENVS = {"api": "cgym/ApiReport-v0", "sql": "cgym/SqlQuery-v0"}
+SFT_ARM = "sft_more"
 
 
 @dataclass(frozen=True)
@@ -48,32 +55,43 @@ class Setting:
     task_pool: int = 0
     learning_rate: float = 2e-4
     temperature: float = 1.0
+    env_id: str = ENVS["api"]
+    sft_lr: float = 5e-5
 
 
-def run_arm(name: str, overrides: dict[str, Any], seed: int, setting: Setting, *, headroom_k: int = 0) -> dict[str, Any]:
+def run_arm(name: str, overrides: dict[str, Any], seed: int, setting: Setting, *, headroom_k: int = 0, start: float | None = None) -> dict[str, Any]:
+    """Train one arm from the start model for the budget. With `start` (the start model's test
+    success, measured once) the trainer skips its own before/between evals and the final model
+    is evaluated here on the same test episodes."""
     from trainer.config import TrainConfig
     from trainer.grpo import train
 
     out = setting.out / f"{name}-seed{seed}"
     base = dict(
-        env_id="cgym/ApiReport-v0", env_kwargs={"difficulty": setting.difficulty}, model=setting.model, out=str(out),
-        steps=10_000, time_budget_s=setting.budget_s, eval_every=setting.eval_every, eval_episodes=setting.eval_episodes,
+        env_id=setting.env_id, env_kwargs={"difficulty": setting.difficulty}, model=setting.model, out=str(out),
+        steps=10_000, time_budget_s=setting.budget_s, eval_every=setting.eval_every, eval_episodes=0 if start is not None else setting.eval_episodes,
         group_size=setting.group_size, tasks_per_step=setting.tasks_per_step, task_pool=setting.task_pool,
         learning_rate=setting.learning_rate, temperature=setting.temperature, seed=seed, progress=False,
     )  # fmt: skip
     config = TrainConfig(**{**base, **overrides})  # an arm's overrides win over the shared setting
     result = train(config)
+    if start is not None:
+        result["before"] = {"success_rate": start}
+        result["after"] = test_success(result["final"], setting)
     extra = {}
     if setting.task_pool:
         extra = {"pool_before": pool_success(setting.model, setting), "pool_after": pool_success(result["final"], setting)}
     if headroom_k:
         extra["final_headroom"] = headroom(result["final"], setting, headroom_k)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    elapsed, curve = 0.0, []
+    elapsed, curve = 0.0, [] if start is None else [(0.0, start)]
     for row in rows:
         elapsed += row.get("step_time_s", 0.0)
         if "eval/success_rate" in row:
             curve.append((round(elapsed, 1), row["eval/success_rate"]))
+    if start is not None:
+        curve.append((round(elapsed, 1), result["after"]["success_rate"]))
+    steps = [r for r in rows if "tokens/initial" in r]
     refine = [r for r in rows if "refine/trigger_rate" in r]
     return {
         "arm": name,
@@ -85,8 +103,36 @@ def run_arm(name: str, overrides: dict[str, Any], seed: int, setting: Setting, *
         "refine_trigger_rate": statistics.mean(r["refine/trigger_rate"] for r in refine) if refine else None,
         "refine_success_rate": statistics.mean(r["refine/success_rate"] for r in refine if r["refine/attempts"]) if any(r["refine/attempts"] for r in refine) else None,
         "rescued_groups": sum(r.get("refine/rescued_groups", 0) for r in refine),
+        "tokens": {"initial": sum(r["tokens/initial"] for r in steps), "refined": sum(r["tokens/refined"] for r in steps)},
         **extra,
     }
+
+
+def run_sft_arm(seed: int, setting: Setting, start: float) -> dict[str, Any]:
+    """"SFT alone" at equal extra compute: SFT from the start model on fresh demonstrations
+    (seeds no other arm saw) for the same budget, then the same test evaluation."""
+    from agents.demos import demonstrations
+    from agents.sft import sft
+
+    out = setting.out / f"{SFT_ARM}-seed{seed}"
+    demos = demonstrations(setting.env_id, {"difficulty": setting.difficulty}, episodes=SFT_ARM_DEMOS, seed=100 + seed)
+    stats = sft(setting.model, demos, out, lr=setting.sft_lr, epochs=1.0, time_budget_s=setting.budget_s, seed=seed, progress=False)
+    after = test_success(str(out), setting)["success_rate"]
+    return {
+        "arm": SFT_ARM, "seed": seed, "before": start, "after": after, "steps": stats["steps"],
+        "curve": [(0.0, start), (round(stats["seconds"], 1), after)], "sft_tokens": stats["tokens"],
+        "refine_trigger_rate": None, "refine_success_rate": None, "rescued_groups": 0,
+    }  # fmt: skip
+
+
+SFT_ARM_DEMOS = 1_000  # more than any budget here gets through: the clock ends the run
+
+
+def test_success(model: str, setting: Setting) -> dict[str, Any]:
+    """Greedy success on the trainer's test episodes."""
+    from trainer.grpo import EVAL_SEED
+
+    return _evaluate(model, setting, split="test", episodes=setting.eval_episodes, seed=EVAL_SEED)[0]
 
 
 def _rates(start: dict[str, Any] | None) -> dict[str, float]:
@@ -137,7 +183,7 @@ def _evaluate(model: str, setting: Setting, *, split: str, episodes: int, seed: 
     from agents.hf import HFPolicy
 
     policy = HFPolicy.from_pretrained(model, temperature=temperature, max_new_tokens=96, seed=0)
-    config = EvalConfig("cgym/ApiReport-v0", {"difficulty": setting.difficulty, "split": split}, episodes=episodes, seed=seed, samples=samples, batch_size=batch_size)
+    config = EvalConfig(setting.env_id, {"difficulty": setting.difficulty, "split": split}, episodes=episodes, seed=seed, samples=samples, batch_size=batch_size)
     return evaluate(policy, config)
 
 
@@ -184,6 +230,7 @@ def plot(runs: list[dict[str, Any]], path: Path, *, title: str = "GRPO vs Critiq
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="the warm-started (SFT) model directory")
+    parser.add_argument("--env", choices=sorted(ENVS), default="api")
     parser.add_argument("--difficulty", default="hard")
     parser.add_argument("--budget", type=float, default=180.0, help="training seconds per run")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -195,6 +242,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lr", type=float, default=2e-4)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--ablations", action="store_true", help="also run the ablation arms (first seed only)")
+    parser.add_argument("--ablation-seeds", type=int, nargs="+", help="seeds for the ablation arms (default: the first of --seeds)")
+    parser.add_argument("--sft-arm", action="store_true", help='also run "SFT alone": more SFT for the same budget, every seed')
     parser.add_argument("--arm", type=parse_arm, action="append", default=[], metavar="NAME=JSON", help="run these arms (TrainConfig overrides) instead of GRPO vs Critique-GRPO; repeatable")
     parser.add_argument("--headroom", type=int, default=0, metavar="K", help="also measure greedy success and pass@K at --temperature of the starting model and of each run's final one")
     parser.add_argument("--out", type=Path, default=Path("runs/critique_vs_grpo"))
@@ -205,22 +254,29 @@ def main(argv: list[str] | None = None) -> None:
 
     setting = Setting(
         args.model, args.difficulty, args.budget, args.eval_every, args.eval_episodes, args.group_size, args.tasks_per_step, args.out,
-        task_pool=args.task_pool, learning_rate=args.lr, temperature=args.temperature,
+        task_pool=args.task_pool, learning_rate=args.lr, temperature=args.temperature, env_id=ENVS[args.env],
     )  # fmt: skip
     arms = dict(args.arm) or ARMS
     plan = [(name, overrides, seed) for seed in args.seeds for name, overrides in arms.items()]
     if args.ablations:
-        plan += [(name, overrides, args.seeds[0]) for name, overrides in ABLATIONS.items()]
-    result: dict[str, Any] = {"setting": {k: str(v) for k, v in vars(setting).items()}, "arms": arms}
+        plan += [(name, overrides, seed) for seed in args.ablation_seeds or args.seeds[:1] for name, overrides in ABLATIONS.items()]
+    if args.sft_arm:
+        plan = [(SFT_ARM, {}, seed) for seed in args.seeds] + plan
+    result: dict[str, Any] = {"command": "python -m benchmarks.critique_vs_grpo " + " ".join(sys.argv[1:] if argv is None else argv), "setting": {k: str(v) for k, v in vars(setting).items()}, "arms": arms}
     if args.headroom:
         result["start"] = headroom(args.model, setting, args.headroom)
+    start = test_success(args.model, setting)["success_rate"] if args.eval_every == 0 else None
+    result["start_greedy"] = start
     runs: list[dict[str, Any]] = []
     args.json.parent.mkdir(parents=True, exist_ok=True)
     for name, overrides, seed in plan:  # the JSON is rewritten after every run: a crash loses one run at most
-        runs.append(run_arm(name, overrides, seed, setting, headroom_k=args.headroom))
+        if name == SFT_ARM:
+            runs.append(run_sft_arm(seed, setting, start if start is not None else test_success(args.model, setting)["success_rate"]))
+        else:
+            runs.append(run_arm(name, overrides, seed, setting, headroom_k=args.headroom, start=start))
         result.update(table=summarize(runs), runs=runs)
         args.json.write_text(json.dumps(result, indent=2))
-    plot(runs, args.plot, title=f"ApiReport {args.difficulty}: {args.budget:.0f} s of training per run, {args.eval_episodes} test episodes", start=_rates(result.get("start")))
+        plot(runs, args.plot, title=f"{setting.env_id.split('/')[1]} {args.difficulty}: {args.budget:.0f} s of training per run, {args.eval_episodes} test episodes", start=_rates(result.get("start")))
     print(json.dumps({key: result[key] for key in ("start", "table") if key in result}, indent=2))
 
 
