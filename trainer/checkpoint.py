@@ -11,7 +11,6 @@ restoring the weights and optimizer is enough to continue exactly.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import pickle
 import random
@@ -23,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from agents.pretrained import sha256_of
 from envs.errors import CgymError
 
 STATE_FILE = "trainer_state.pt"
@@ -91,7 +91,7 @@ def verify_checkpoint(directory: Path) -> None:
         path = directory / name
         if path.stat().st_size != entry["bytes"]:
             raise CheckpointError(f"{path} has {path.stat().st_size} bytes, its manifest says {entry['bytes']} (truncated?)")
-        if _sha256(path) != entry["sha256"]:
+        if sha256_of(path) != entry["sha256"]:
             raise CheckpointError(f"{path} does not match the sha256 in its manifest (the file is damaged)")
 
 
@@ -118,7 +118,7 @@ def load_state(directory: Path, *, optimizer: torch.optim.Optimizer, scheduler: 
 
 # -- manifest ------------------------------------------------------------------------------
 def _write_manifest(directory: Path, step: int) -> None:
-    files = {p.relative_to(directory).as_posix(): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(directory.rglob("*")) if p.is_file()}
+    files = {p.relative_to(directory).as_posix(): {"bytes": p.stat().st_size, "sha256": sha256_of(p)} for p in sorted(directory.rglob("*")) if p.is_file()}
     (directory / MANIFEST).write_text(json.dumps({"step": step, "files": files}, indent=2))
 
 
@@ -138,14 +138,6 @@ def _read_manifest(directory: Path) -> dict[str, dict[str, Any]]:
     if not well_formed:
         raise CheckpointError(f"{path} is not a valid manifest")
     return files  # type: ignore[return-value]
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 # -- global RNGs, as tensors and lists (what weights_only loading accepts) ------------------

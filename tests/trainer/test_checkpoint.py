@@ -7,16 +7,13 @@ import json
 import random
 from collections.abc import Iterator
 from pathlib import Path
-from typing import ClassVar
 
 import numpy as np
 import pytest
 import torch
 
-from envs.core import AgentEnv
-from envs.episode import Episode
 from envs.errors import CgymError
-from envs.rubric import Check, CheckResult, Rubric
+from tests.trainer.test_grpo import ToyEnv  # one-turn toy env: the reward is the share of "a"
 from trainer import grpo
 from trainer.checkpoint import MANIFEST, STATE_FILE, CheckpointError, latest_checkpoint, load_state, save_checkpoint, verify_checkpoint
 from trainer.config import TrainConfig
@@ -148,32 +145,6 @@ def test_check_finite_raises_a_cgym_error(value) -> None:
 
 
 # -- the real loop on a one-turn toy env and the tiny model -----------------------------------
-class _Task:
-    id = "toy"
-    prompt = "Write a word."
-    ground_truth = "aaaa"
-
-
-def _share_of_a(episode: Episode) -> CheckResult:
-    text = episode.final_answer or ""
-    share = text.count("a") / max(len(text), 1)
-    return CheckResult(share >= 0.5, share)
-
-
-class ToyEnv(AgentEnv):
-    system_prompt: ClassVar[str] = "Answer."
-    rubric = Rubric([Check("share_of_a", _share_of_a, 1.0)])
-
-    def __init__(self) -> None:
-        super().__init__(max_turns=1)
-
-    def _sample_task(self, rng: np.random.Generator) -> _Task:
-        return _Task()
-
-    def _tools(self) -> list:
-        return []
-
-
 def _toy(split: str) -> ToyEnv:
     return ToyEnv()
 
