@@ -21,11 +21,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.critique_vs_grpo import task_split
+from benchmarks.critique_vs_grpo import ENVS, task_split
 
-ENVS = {"api": "cgym/ApiReport-v0", "sql": "cgym/SqlQuery-v0"}
 SPLITS = ("api:medium", "api:hard", "sql:easy", "sql:medium", "sql:hard")
-EVAL_SEED = 10_000  # the trainer's test seeds
 
 
 def parse_split(text: str) -> tuple[str, str]:
@@ -42,6 +40,7 @@ def measure_split(env_id: str, difficulty: str, args: argparse.Namespace) -> dic
     from agents.evaluate import EvalConfig, evaluate
     from agents.hf import HFPolicy
     from agents.sft import sft
+    from trainer.grpo import EVAL_SEED  # the trainer's test seeds
 
     kwargs = {"difficulty": difficulty}
     out = args.out / f"{env_id.split('/')[1]}-{difficulty}"

@@ -48,3 +48,11 @@ def test_rolling_mean_averages_what_it_has() -> None:
 
     assert rolling_mean([1.0, 2.0, 3.0, 4.0], 2) == [1.0, 1.5, 2.5, 3.5]
     assert rolling_mean([5.0], 10) == [5.0] and rolling_mean([], 3) == []
+
+
+def test_step_bar_shows_generation_and_update_speeds() -> None:
+    from trainer.progress import speeds
+
+    row = {"tokens_per_s": 96.4, "train_tokens": 1000, "step_time_s": 30.0, "rollout_time_s": 20.0}
+    assert speeds(row) == "gen 96 tok/s train 100 tok/s"
+    assert speeds({"tokens_per_s": 50.0}) == "gen 50 tok/s"  # no update this step
