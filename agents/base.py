@@ -18,7 +18,9 @@ Message = dict[str, Any]
 class Conversation:
     """One episode's chat history plus, for local models, its token-exact ledger.
 
-    `messages` and `tools` are what the env put in `info["messages"]` / `info["tools"]`.
+    `messages`, `tools` and `task` are what the env put in `info["messages"]` / `info["tools"]` /
+    `info["task"]` (the task as typed data: scripted agents read its fields, never the prompt);
+    `env_id` is the registered id of the env it is played in (scripted agents are found by it).
     The ledger is owned by the policy that samples: `token_ids` is the whole context so far,
     `loss_mask[i]` is 1 where token i was sampled by the policy, and `logprobs[i]` is the
     sampling log-probability of token i (0.0 where the mask is 0). `synced` counts how many
@@ -28,6 +30,8 @@ class Conversation:
 
     messages: list[Message]
     tools: list[dict[str, Any]] = field(default_factory=list)
+    task: Any = None
+    env_id: str | None = None
     token_ids: list[int] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)

@@ -133,7 +133,7 @@ def _rates(cells: Sequence[FieldProbe]) -> dict[str, Any]:
 def oracle_transcripts(env_id: str, env_kwargs: dict[str, Any], seeds: Sequence[int]) -> list[EpisodeResult]:
     """The oracle's solved episodes on `seeds` (test split unless `env_kwargs` says otherwise)."""
     kwargs = {"split": "test", **env_kwargs}
-    results = run_episodes(lambda: make(env_id, **kwargs), ScriptedPolicy("oracle"), list(seeds), batch_size=len(seeds))
+    results = run_episodes(lambda: make(env_id, **kwargs), ScriptedPolicy("oracle", env_id=env_id), list(seeds), batch_size=len(seeds))
     return [r for r in results if r.success]
 
 

@@ -70,7 +70,7 @@ def refinement_conversation(opening: Conversation, failed: EpisodeResult, critiq
     system, task = opening.messages[0], opening.messages[1]
     content = f"{task['content']}\n\n{REFINE_INSTRUCTION}\n\nPrevious attempt:\n{transcript(failed)}\n\nCritique:\n{critique}"
     messages = [system, {"role": "user", "content": content}, *opening.messages[2:]]
-    return Conversation(messages, opening.tools, env_seen=opening.env_seen)
+    return Conversation(messages, opening.tools, task=opening.task, env_id=opening.env_id, env_seen=opening.env_seen)
 
 
 def run_refinements(

@@ -98,7 +98,8 @@ def run_episodes(
             index, seed = queue.pop()
             env = free.pop()
             _, info = env.reset(seed=seed)
-            conv = Conversation(list(info["messages"]), info["tools"], env_seen=len(info["messages"]))
+            env_id = env.spec.id if env.spec is not None else None
+            conv = Conversation(list(info["messages"]), info["tools"], task=info.get("task"), env_id=env_id, env_seen=len(info["messages"]))
             live[index] = _Slot(env, seed, conversation_for(index, conv) if conversation_for else conv, [])
         keys = list(live)
         turns = policy.act([live[k].conversation for k in keys])
@@ -121,7 +122,6 @@ def run_episodes(
 
 
 def _result(slot: _Slot, reward: float, truncated: bool, info: dict[str, Any]) -> EpisodeResult:
-    record = slot.env.unwrapped.episode if hasattr(slot.env.unwrapped, "episode") else None
     return EpisodeResult(
         seed=slot.seed,
         success=bool(info.get("success", False)),
@@ -132,6 +132,6 @@ def _result(slot: _Slot, reward: float, truncated: bool, info: dict[str, Any]) -
         critiques=list(info.get("critiques", [])),
         conversation=slot.conversation,
         turns=slot.turns,
-        record=record,
+        record=info.get("episode"),
         task_id=info.get("task_id"),
     )

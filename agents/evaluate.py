@@ -5,12 +5,13 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from math import comb
 from typing import Any
 
 from agents.base import Policy
 from agents.episodes import EpisodeResult, run_episodes
+from envs.errors import ConfigError
 from envs.registration import make
 
 
@@ -19,15 +20,24 @@ class EvalConfig:
     """One evaluation: which env (and kwargs), how many episodes, which seeds."""
 
     env_id: str
-    env_kwargs: dict[str, Any]
+    """The env to evaluate on."""
+    env_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Env kwargs as JSON (difficulty, faults, split, ...)."""
     episodes: int = 100
+    """Tasks to run (each `samples` times)."""
     seed: int = 0
+    """The first task seed; task i gets seed + i."""
     samples: int = 1
+    """Tries per task, for pass@k."""
     batch_size: int = 32
+    """Episodes run at once."""
 
     def __post_init__(self) -> None:
-        if self.episodes < 1 or self.samples < 1 or self.batch_size < 1:
-            raise ValueError(f"episodes, samples and batch_size must be >= 1, got {self.episodes}, {self.samples}, {self.batch_size}")
+        for name in ("episodes", "samples", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.seed < 0:
+            raise ConfigError(f"seed must be >= 0, got {self.seed}")
 
     @property
     def seeds(self) -> list[int]:

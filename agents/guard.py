@@ -2,20 +2,26 @@
 
 Each turn is checked before it reaches the env: tool calls must parse, name a known tool and
 carry the required arguments; a final answer must be a JSON object with the fields the task
-lists. A turn that fails is sent back to the policy with the validation error, up to `retries`
+lists (`conversation.task.fields`; a conversation without such a task gets its calls checked
+only). A turn that fails is sent back to the policy with the validation error, up to `retries`
 times. This shows what a guard fixes (format) and what only training fixes (wrong values).
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
 
 from agents.base import Conversation, Policy, Turn
 from envs.api_report.checks import extract_report
-from envs.toolcall import parse_turn
+from envs.toolcall import ParsedTurn, parse_turn
 
-_FIELDS = re.compile(r"Required JSON fields: (.+?)\.\n")
+
+@runtime_checkable
+class ReportFields(Protocol):
+    """A task whose final answer is a JSON object with these fields (e.g. `ReportTask`)."""
+
+    fields: tuple[str, ...]
 
 
 def validate(conv: Conversation, text: str) -> str | None:
@@ -23,19 +29,16 @@ def validate(conv: Conversation, text: str) -> str | None:
     parsed = parse_turn(text)
     if parsed.is_tool_turn:
         return _validate_calls(conv, parsed)
-    task = next((m["content"] for m in conv.messages if m["role"] == "user"), "")
-    fields = _FIELDS.search(task + "\n")
-    if not fields:
+    if not isinstance(conv.task, ReportFields):
         return None
     report = extract_report(text)
     if report.data is None:
         return f"Your answer is not a valid JSON report ({report.error}). Reply with the JSON object."
-    wanted = [f.split(" (")[0].strip() for f in fields.group(1).split(", ")]
-    missing = [f for f in wanted if f not in report.data]
+    missing = [f for f in conv.task.fields if f not in report.data]
     return f"Your report is missing the fields {missing}." if missing else None
 
 
-def _validate_calls(conv: Conversation, parsed) -> str | None:
+def _validate_calls(conv: Conversation, parsed: ParsedTurn) -> str | None:
     if parsed.errors:
         return f"Your tool call could not be read: {parsed.errors[0].message}"
     schemas = {t["function"]["name"]: t["function"] for t in conv.tools if "function" in t}
@@ -62,7 +65,7 @@ class GuardedPolicy:
 
     def act(self, batch: Sequence[Conversation]) -> list[Turn]:
         # Scratch copies: retries must not leak into the real conversations (or token ledgers).
-        scratch = [Conversation(list(c.messages), c.tools) for c in batch]
+        scratch = [_scratch(c, list(c.messages)) for c in batch]
         turns = self.inner.act(scratch)
         for _ in range(self.retries):
             errors = {i: e for i, t in enumerate(turns) if (e := validate(batch[i], t.text))}
@@ -70,9 +73,14 @@ class GuardedPolicy:
                 break
             self.rejections += len(errors)
             retry = [
-                Conversation([*batch[i].messages, {"role": "assistant", "content": turns[i].text}, {"role": "user", "content": f"Validation error: {errors[i]} Try again."}], batch[i].tools)
+                _scratch(batch[i], [*batch[i].messages, {"role": "assistant", "content": turns[i].text}, {"role": "user", "content": f"Validation error: {errors[i]} Try again."}])
                 for i in errors
             ]
             for i, turn in zip(errors, self.inner.act(retry)):
                 turns[i] = turn
         return [Turn(t.text, truncated=t.truncated) for t in turns]
+
+
+def _scratch(conv: Conversation, messages: list[dict]) -> Conversation:
+    """A copy of `conv` with other messages and no token ledger (same tools, task and env)."""
+    return Conversation(messages, conv.tools, task=conv.task, env_id=conv.env_id)

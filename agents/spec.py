@@ -1,14 +1,19 @@
-"""Policy specs, as the CLI takes them: `scripted:oracle`, `hf:DIR`, `openai:M@URL`, `vllm:M`.
+"""Policy specs, as the CLI takes them: `scripted:oracle`, `hf:DIR`, `openai:M@URL`, `vllm:M`, `py:module:Callable`.
 
 Heavy backends (torch, transformers, vLLM) are imported only when their spec is used.
 """
 
 from __future__ import annotations
 
+import importlib
+import inspect
+import os
+import sys
 from dataclasses import dataclass
+from typing import Any
 
 from agents.base import Policy
-from envs.errors import CgymError, did_you_mean
+from envs.errors import CgymError, ConfigError, did_you_mean
 
 SPEC_FORMS = (
     "scripted:<agent> (e.g. scripted:oracle)",
@@ -17,8 +22,10 @@ SPEC_FORMS = (
     "vllm:<hub-name-or-local-dir>",
     "guarded:<spec> (runtime validation + retries around any policy)",
     "prompted:<spec> (the prompt-only baseline: the article's rules in the system prompt)",
+    "py:<module>:<callable> (your own policy: the callable is called with the SamplingOptions and returns a Policy;"
+    " a Policy object is used as it is; the module is imported from the current directory or sys.path)",
 )
-KINDS = ("scripted", "hf", "openai", "vllm", "guarded", "prompted")
+KINDS = ("scripted", "hf", "openai", "vllm", "guarded", "prompted", "py")
 
 
 class PolicySpecError(CgymError, ValueError):
@@ -27,12 +34,30 @@ class PolicySpecError(CgymError, ValueError):
 
 @dataclass(frozen=True)
 class SamplingOptions:
-    """Sampling settings shared by every model-backed policy."""
+    """How a model-backed policy samples a turn: the one definition of these settings and their defaults.
+
+    `TrainConfig` carries the same fields (it trains at `max_new_tokens` 96, shorter turns being
+    faster); `hf:`, `openai:`, `vllm:` and `py:` policies all receive an instance.
+    """
 
     temperature: float = 1.0
+    """Sampling temperature (0: greedy)."""
     top_p: float = 1.0
+    """Nucleus sampling: keep the most likely tokens up to this probability mass (1.0: off)."""
     max_new_tokens: int = 256
+    """Tokens per assistant turn."""
     seed: int = 0
+    """Seeds the sampler, so the same calls give the same turns."""
+
+    def __post_init__(self) -> None:
+        for ok, rule in (
+            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
+            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            (self.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}"),
+            (self.seed >= 0, f"seed must be >= 0, got {self.seed}"),
+        ):
+            if not ok:
+                raise ConfigError(rule)
 
 
 def parse_spec(spec: str) -> tuple[str, str]:
@@ -43,22 +68,24 @@ def parse_spec(spec: str) -> tuple[str, str]:
     return kind, rest
 
 
-def load_policy(spec: str, options: SamplingOptions | None = None) -> Policy:
-    """Build the policy a spec names."""
+def load_policy(spec: str, options: SamplingOptions | None = None, *, env_id: str | None = None) -> Policy:
+    """Build the policy a spec names; `env_id`, when known, is the env it will play."""
     kind, rest = parse_spec(spec)
     opts = options or SamplingOptions()
     if kind == "guarded":
         from agents.guard import GuardedPolicy
 
-        return GuardedPolicy(load_policy(rest, opts))
+        return GuardedPolicy(load_policy(rest, opts, env_id=env_id))
     if kind == "prompted":
         from agents.prompting import PromptedPolicy
 
-        return PromptedPolicy(load_policy(rest, opts))
+        return PromptedPolicy(load_policy(rest, opts, env_id=env_id))
     if kind == "scripted":
         from agents.scripted import ScriptedPolicy
 
-        return ScriptedPolicy(rest)
+        return ScriptedPolicy(rest, env_id=env_id)
+    if kind == "py":
+        return _user_policy(rest, opts)
     if kind == "hf":
         from agents.hf import HFPolicy
 
@@ -69,4 +96,39 @@ def load_policy(spec: str, options: SamplingOptions | None = None) -> Policy:
         return OpenAIPolicy.from_spec(rest, temperature=opts.temperature, top_p=opts.top_p, max_tokens=opts.max_new_tokens, seed=opts.seed)
     from agents.vllm_policy import VLLMPolicy
 
-    return VLLMPolicy.from_spec(rest)
+    return VLLMPolicy.from_spec(rest, temperature=opts.temperature, top_p=opts.top_p, max_tokens=opts.max_new_tokens, seed=opts.seed)
+
+
+def _user_policy(rest: str, options: SamplingOptions) -> Policy:
+    """`py:<module>:<callable>`: import the module, call the callable with `options` (or take a Policy as is)."""
+    module_name, _, attr = rest.partition(":")
+    spec = f"py:{rest}"
+    if not module_name or not attr:
+        raise PolicySpecError(f"cannot read the policy spec {spec!r}: expected py:<module>:<callable>, e.g. py:mypolicies:make_policy")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as `python -m` does, so a module next to the user's files imports
+    try:
+        target: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise PolicySpecError(f"{spec}: cannot import {module_name!r}: {exc}") from None
+    for part in attr.split("."):
+        if not hasattr(target, part):
+            names = [n for n in dir(target) if not n.startswith("_")]
+            raise PolicySpecError(f"{spec}: {module_name} has no attribute {part!r}.{did_you_mean(part, names)}")
+        target = getattr(target, part)
+    policy = target if isinstance(target, Policy) and not isinstance(target, type) else _call_factory(spec, target, options)
+    if not isinstance(policy, Policy) or isinstance(policy, type):
+        raise PolicySpecError(f"{spec} gave {type(policy).__name__}, not a policy: a Policy has a `name` and an `act(batch)` method")
+    return policy
+
+
+def _call_factory(spec: str, factory: Any, options: SamplingOptions) -> Any:
+    if not callable(factory):
+        raise PolicySpecError(f"{spec} names a {type(factory).__name__}, neither a policy nor a callable that returns one")
+    try:
+        inspect.signature(factory).bind(options)
+    except TypeError:
+        raise PolicySpecError(f"{spec} must take one argument, the SamplingOptions (def make_policy(options) -> Policy)") from None
+    except ValueError:  # a builtin without a signature: just call it
+        pass
+    return factory(options)

@@ -14,6 +14,9 @@ from typing import Any
 
 from agents.base import Conversation, Message, Turn
 from agents.openai_server import PolicyError
+from agents.spec import SamplingOptions
+
+DEFAULT_SAMPLING = SamplingOptions()
 
 INSTALL_HINT = "vLLM is not installed: pip install 'critique-gym[vllm]' (needs a CUDA GPU)"
 
@@ -25,17 +28,18 @@ class BackendUnavailableError(PolicyError, ImportError):
 class VLLMPolicy:
     """Samples one assistant turn per conversation with `vllm.LLM.chat`, batched in one call.
 
-    Extra keyword arguments go to `vllm.LLM` (e.g. `gpu_memory_utilization`, `dtype`).
+    Sampling defaults are `SamplingOptions`'s (`max_tokens` is its `max_new_tokens`). Extra
+    keyword arguments go to `vllm.LLM` (e.g. `gpu_memory_utilization`, `dtype`).
     """
 
     def __init__(
         self,
         model: str,
         *,
-        temperature: float = 0.7,
-        top_p: float = 1.0,
-        max_tokens: int = 512,
-        seed: int = 0,
+        temperature: float = DEFAULT_SAMPLING.temperature,
+        top_p: float = DEFAULT_SAMPLING.top_p,
+        max_tokens: int = DEFAULT_SAMPLING.max_new_tokens,
+        seed: int = DEFAULT_SAMPLING.seed,
         **llm_kwargs: Any,
     ) -> None:
         vllm = _import_vllm()

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import statistics
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -260,8 +260,10 @@ def main(argv: list[str] | None = None) -> None:
     plan = [(name, overrides, seed) for seed in args.seeds for name, overrides in arms.items()]
     if args.ablations:
         plan += [(name, overrides, seed) for seed in args.ablation_seeds or args.seeds[:1] for name, overrides in ABLATIONS.items()]
-    if args.sft_arm:
-        plan = [(SFT_ARM, {}, seed) for seed in args.seeds] + plan
+    if args.sft_arm:  # seed by seed, so a run cut short still holds whole seeds of every arm
+        plan = [step for seed in args.seeds for step in [(SFT_ARM, {}, seed), *(p for p in plan if p[2] == seed and p[0] in arms)]] + [
+            p for p in plan if p[0] not in arms
+        ]
     result: dict[str, Any] = {"command": "python -m benchmarks.critique_vs_grpo " + " ".join(sys.argv[1:] if argv is None else argv), "setting": {k: str(v) for k, v in vars(setting).items()}, "arms": arms}
     if args.headroom:
         result["start"] = headroom(args.model, setting, args.headroom)

@@ -22,10 +22,10 @@ from envs.registration import make
 
 def record_actions(env_id: str, env_kwargs: dict[str, Any], seeds: list[int]) -> dict[int, list[str]]:
     """The oracle's actions per seed, so the timed loop runs no agent code."""
-    env, oracle, actions = make(env_id, **env_kwargs), ScriptedPolicy("oracle"), {}
+    env, oracle, actions = make(env_id, **env_kwargs), ScriptedPolicy("oracle", env_id=env_id), {}
     for seed in seeds:
         _, info = env.reset(seed=seed)
-        conv = Conversation(list(info["messages"]), info["tools"], env_seen=len(info["messages"]))
+        conv = Conversation(list(info["messages"]), info["tools"], task=info["task"], env_seen=len(info["messages"]))
         taken, done = [], False
         while not done:
             text = oracle.act([conv])[0].text

@@ -1,6 +1,7 @@
 """critique-gym environments: multi-turn tool use with verifiable rewards and critiques.
 
-Importing this package registers the built-in envs with Gymnasium under ``cgym/``::
+Importing this package registers the built-in envs with Gymnasium under ``cgym/`` and loads
+the ``cgym.envs`` plugins, so their ids work with `gymnasium.make` too::
 
     import gymnasium as gym
     import envs
@@ -10,12 +11,12 @@ Importing this package registers the built-in envs with Gymnasium under ``cgym/`
 
 from __future__ import annotations
 
-from envs.core import AgentEnv, ResetNeeded, Task
+from envs.core import AgentEnv, ResetNeeded, SimpleTask, Task
 from envs.critique import CRITIQUE_STYLES, Critique, CritiqueStyle, render
 from envs.errors import CgymError, InvalidChoiceError, InvalidEnvKwargError, UnknownEnvError
-from envs.registration import EnvSpec, load_plugins, make, register, registered
+from envs.registration import EnvSpec, ScriptedAgentsError, load_plugins, make, register, registered
 from envs.rubric import Check, CheckResult, Rubric, Score
-from envs.tools import Tool, ToolError
+from envs.tools import Tool, ToolError, ToolSchemaError
 
 DIFFICULTIES = ("easy", "medium", "hard")
 SPLITS = ("train", "test")
@@ -24,11 +25,13 @@ register(
     "cgym/ApiReport-v0",
     "envs.api_report:ApiReportEnv",
     description="Call a mocked shop API (auth, search, paginated orders, faults), then write a JSON report.",
+    agents="agents.scripted.api_report:FAMILY",
 )
 register(
     "cgym/SqlQuery-v0",
     "envs.sql:SqlQueryEnv",
     description="Answer questions about a SQLite database (shop, HR, flights) with one SQL query; execution match.",
+    agents="agents.scripted.sql:FAMILY",
 )
 
 __all__ = [
@@ -47,9 +50,12 @@ __all__ = [
     "Rubric",
     "SPLITS",
     "Score",
+    "ScriptedAgentsError",
+    "SimpleTask",
     "Task",
     "Tool",
     "ToolError",
+    "ToolSchemaError",
     "UnknownEnvError",
     "load_plugins",
     "render",
@@ -57,3 +63,5 @@ __all__ = [
     "register",
     "registered",
 ]
+
+load_plugins()  # last: a plugin that imports `envs` finds every name above already defined

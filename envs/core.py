@@ -17,6 +17,9 @@ import math
 import re
 import string
 import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
 import gymnasium as gym
@@ -25,7 +28,7 @@ from gymnasium.spaces import Text
 
 from envs.critique import Critique, CritiqueStyle, render
 from envs.episode import Episode, StepRecord, ToolResult
-from envs.errors import CgymError, check_choice, did_you_mean
+from envs.errors import CgymError, InvalidChoiceError, check_choice, did_you_mean
 from envs.rubric import Rubric, Score
 from envs.toolcall import ParsedTurn, ParseError, ToolCall, parse_turn
 from envs.tools import Tool, ToolError
@@ -39,11 +42,25 @@ TURN_TIME_S = 0.8  # tool and scoring time of one step; parsing and replies fit 
 
 
 class Task(Protocol):
-    """What an env's task must expose: a stable id, the prompt, the answer for critiques."""
+    """What an env's task must expose: a stable id, the prompt, the answer for critiques.
+
+    Agents get the task object itself as `info["task"]`, so a task carries its facts (the fields a
+    report needs, the gold query, ...) as typed attributes, and nothing parses the prompt back.
+    """
 
     id: str
     prompt: str
     ground_truth: str
+
+
+@dataclass(frozen=True)
+class SimpleTask:
+    """A ready-made `Task`: the prompt, the answer critiques may show, and any facts as `data`."""
+
+    id: str
+    prompt: str
+    ground_truth: str = ""
+    data: Mapping[str, Any] = field(default_factory=dict)
 
 
 class ResetNeeded(CgymError, RuntimeError):
@@ -51,15 +68,43 @@ class ResetNeeded(CgymError, RuntimeError):
 
 
 class AgentEnv(gym.Env[str, str]):
-    """Base class: subclasses provide tasks, tools, a system prompt and a rubric."""
+    """Base class of the text envs: subclasses provide tasks, tools and a rubric.
+
+    Hooks, each with a default, that a subclass overrides:
+
+    - `sample_task(rng, *, seed, options) -> Task`: the episode's task. Default: draw from
+      `tasks()`, or take `options["task_id"]`.
+    - `tasks() -> Sequence[Task]`: the task list; default: the `tasks=` given to `__init__`.
+    - `begin_episode(task)`: per-episode setup (a mocked service, a DB connection).
+    - `tools_for(task) -> list[Tool]`: the episode's tools, asked at every reset; default:
+      `tools()`, built once per env, for envs whose tools never change.
+    - `system_prompt_for(task) -> str`: default, the class's `system_prompt`.
+    - `before_score(episode)`: run once when the episode ends, before the rubric scores it.
+
+    A tool may call `finish(answer)` to end the episode after this turn (a `submit` tool), and a
+    slow tool keeps within `turn_time_left()`. `turn_parser` reads a turn into calls (default
+    `parse_turn`); pass `turn_parser=` or set it on the class as a `staticmethod`.
+
+    Every `info` holds `messages`, `tools` (this episode's schemas), `task` and the step's
+    `critique`; the last step's adds `success`, `reward_breakdown`, `checks_passed`, every
+    `critiques` and the finished `episode`.
+    """
 
     metadata: ClassVar[dict[str, Any]] = {"render_modes": ["ansi"], "render_fps": 1}
     system_prompt: ClassVar[str] = "You are a helpful assistant that uses tools."
     truncation_code: ClassVar[str] = "no_final_answer"
     turn_time_s: ClassVar[float] = TURN_TIME_S
+    turn_parser: Callable[[str], ParsedTurn] = staticmethod(parse_turn)
     rubric: Rubric
 
-    def __init__(self, *, max_turns: int = 8, render_mode: str | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        max_turns: int = 8,
+        render_mode: str | None = None,
+        tasks: Iterable[Task] | None = None,
+        turn_parser: Callable[[str], ParsedTurn] | None = None,
+    ) -> None:
         if not isinstance(max_turns, int) or isinstance(max_turns, bool) or max_turns < 1:
             raise ValueError(f"max_turns must be a positive int, got {max_turns!r}")
         if render_mode is not None:
@@ -68,38 +113,69 @@ class AgentEnv(gym.Env[str, str]):
         self.render_mode = render_mode
         self.observation_space = Text(max_length=MAX_OBSERVATION_CHARS, min_length=0, charset=CHARSET)
         self.action_space = Text(max_length=MAX_ACTION_CHARS, min_length=0, charset=CHARSET)
-        self._tool_list = self._tools()
-        self._tool_map = {t.name: t for t in self._tool_list}
-        self._schemas = [t.schema for t in self._tool_list]
+        self._task_list = None if tasks is None else _task_tuple(tasks)
+        if turn_parser is not None:
+            self.turn_parser = turn_parser
+        self._fixed_tools: list[Tool] | None = None
+        self._tool_list: list[Tool] = []
+        self._tool_map: dict[str, Tool] = {}
+        self._schemas: list[dict[str, Any]] = []
         self._episode: Episode | None = None
         self._messages: list[dict[str, Any]] = []
         self._final_answer: str | None = None
         self._score: Score | None = None
         self._turn_deadline = math.inf  # set by each step
 
-    # -- what subclasses provide -------------------------------------------------------
-    def _sample_task(self, rng: np.random.Generator) -> Task:
-        raise NotImplementedError
+    # -- hooks ---------------------------------------------------------------------------
+    def tasks(self) -> Sequence[Task]:
+        """The tasks `sample_task` draws from: by default the `tasks=` given to `__init__`."""
+        if self._task_list is None:
+            raise NotImplementedError(f"{type(self).__name__} needs tasks: pass tasks=[...] to AgentEnv.__init__, or override tasks() or sample_task()")
+        return self._task_list
 
-    def _begin_episode(self, task: Task) -> None:
+    def sample_task(self, rng: np.random.Generator, *, seed: int | None, options: dict[str, Any] | None) -> Task:
+        """The next episode's task: `options["task_id"]` when given, else a draw from `tasks()`."""
+        pool = self.tasks()
+        wanted = (options or {}).get("task_id")
+        if wanted is None:
+            return pool[int(rng.integers(len(pool)))]
+        found = next((t for t in pool if t.id == wanted), None)
+        if found is None:
+            ids = [t.id for t in pool]
+            raise InvalidChoiceError(f"options['task_id']={wanted!r} is not a task of {type(self).__name__}.{did_you_mean(str(wanted), ids)}")
+        return found
+
+    def begin_episode(self, task: Task) -> None:
         """Set up per-episode state (a mocked service, a DB connection); default: nothing."""
 
-    def _tools(self) -> list[Tool]:
-        raise NotImplementedError
+    def tools(self) -> list[Tool]:
+        """The tools of every episode, for envs whose tools are fixed; default: none."""
+        return []
 
-    def _before_score(self, episode: Episode) -> None:
-        """Hook run once when the episode ends, before the rubric scores it (e.g. run a query)."""
+    def tools_for(self, task: Task) -> list[Tool]:
+        """The tools of `task`'s episode; default: `tools()`, built once per env."""
+        if self._fixed_tools is None:
+            self._fixed_tools = self.tools()
+        return self._fixed_tools
+
+    def system_prompt_for(self, task: Task) -> str:
+        """The system message of `task`'s episode; default: the class's `system_prompt`."""
+        return self.system_prompt
+
+    def before_score(self, episode: Episode) -> None:
+        """Run once when the episode ends, before the rubric scores it (e.g. run a query)."""
 
     # -- the Gymnasium API ---------------------------------------------------------------
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
         super().reset(seed=seed)
-        task = self._sample_task(self.np_random)
-        self._begin_episode(task)
+        task = self.sample_task(self.np_random, seed=seed, options=options)
+        self.begin_episode(task)
+        self._use_tools(self.tools_for(task))
         self._episode = Episode(task)
         self._final_answer = None
         self._score = None
         self._messages = [
-            {"role": "system", "content": self.system_prompt},
+            {"role": "system", "content": self.system_prompt_for(task)},
             {"role": "user", "content": task.prompt},
         ]
         return _clean(task.prompt), self._info(None)
@@ -127,12 +203,12 @@ class AgentEnv(gym.Env[str, str]):
             return None
         return "\n\n".join(f"[{m['role']}] {m['content']}" for m in self._messages)
 
-    # -- helpers for subclasses ----------------------------------------------------------
-    def _finish(self, answer: str) -> None:
-        """End the episode after this turn with `answer` as the final answer."""
+    # -- helpers for tools ---------------------------------------------------------------
+    def finish(self, answer: str) -> None:
+        """End the episode after this turn with `answer` as the final answer (e.g. from a submit tool)."""
         self._final_answer = answer
 
-    def _turn_time_left(self) -> float:
+    def turn_time_left(self) -> float:
         """Seconds left of this step's `turn_time_s`: a slow tool (a query) must finish within it."""
         return max(self._turn_deadline - time.perf_counter(), 0.0)
 
@@ -158,10 +234,10 @@ class AgentEnv(gym.Env[str, str]):
             record = StepRecord(index, text)
             message = f"The turn is {len(text)} characters long; the limit is {MAX_ACTION_CHARS}, so it was not read."
             return record, self._refuse(record, "action_too_long", message, "invalid_action", MAX_ACTION_CHARS, len(text))
-        parsed = _parse(text)
+        parsed = self._parse(text)
         if parsed.is_tool_turn:
             return self._run_tools(parsed, text, index)
-        self._finish(text)
+        self.finish(text)
         return StepRecord(index, text, final=True), ""
 
     def _run_tools(self, parsed: ParsedTurn, text: str, index: int) -> tuple[StepRecord, str]:
@@ -176,7 +252,7 @@ class AgentEnv(gym.Env[str, str]):
         for done, call in enumerate(calls):
             if self._final_answer is not None:
                 break  # a call that ended the episode makes the rest of the turn moot
-            if self._turn_time_left() <= 0:
+            if self.turn_time_left() <= 0:
                 message = f"The turn's time budget ({self.turn_time_s:g} s) ran out; {len(calls) - done} call(s) were not run. Spread slow calls over turns."
                 contents.append(self._refuse(record, "turn_time_exceeded", message, "invalid_tool_call", self.turn_time_s, None))
                 break
@@ -189,6 +265,24 @@ class AgentEnv(gym.Env[str, str]):
             message = f"This turn makes {attempts} tool calls; only the first {MAX_CALLS_PER_TURN} were read and the rest were not run."
             contents.append(self._refuse(record, "too_many_tool_calls", message, "invalid_tool_call", MAX_CALLS_PER_TURN, attempts))
         return record, "\n".join(contents)
+
+    def _parse(self, text: str) -> ParsedTurn:
+        """`turn_parser`, with a crash reported as an unreadable call rather than raised."""
+        try:
+            return self.turn_parser(text)
+        except Exception as exc:  # noqa: BLE001 - a parser is meant never to raise; if it does, step() still must not
+            return ParsedTurn(errors=[ParseError("parse_crashed", f"The turn could not be parsed: {type(exc).__name__}: {_clip(str(exc))}", _clip(text))])
+
+    def _use_tools(self, tools: list[Tool]) -> None:
+        """Dispatch to `tools` this episode (and show their schemas in `info["tools"]`)."""
+        if tools is self._tool_list:
+            return
+        names = [t.name for t in tools]
+        if len(set(names)) != len(names):
+            raise ValueError(f"{type(self).__name__}: tool names must be unique, got {names}")
+        self._tool_list = tools
+        self._tool_map = dict(zip(names, tools))
+        self._schemas = [t.schema for t in tools]
 
     def _refuse(self, record: StepRecord, code: str, message: str, name: str, expected: Any, got: Any) -> str:
         """Critique `record` (unless it has a critique already) and reply with the refusal."""
@@ -224,13 +318,13 @@ class AgentEnv(gym.Env[str, str]):
         self._episode.truncated = truncated
         critiques = [s.critique for s in self._episode.steps if s.critique is not None]
         try:
-            self._before_score(self._episode)
+            self.before_score(self._episode)
         except Exception as exc:  # noqa: BLE001 - the hook reads the model's answer; the checks still run
             message = f"Preparing the score failed: {type(exc).__name__}: {_clip(str(exc))}"
             critiques.append(Critique(self._episode.final_step, "scoring_crashed", message))
         score = self.rubric.score(self._episode)
         critiques += score.critiques
-        if truncated:
+        if truncated and not score.success:
             critiques.append(
                 Critique(self._episode.final_step, self.truncation_code, f"The turn limit ({self.max_turns}) was reached without a final answer.")
             )
@@ -241,6 +335,7 @@ class AgentEnv(gym.Env[str, str]):
             reward_breakdown=dict(score.breakdown),
             checks_passed=dict(score.passed),
             critiques=[c.to_dict() for c in critiques],
+            episode=self._episode,
         )
         return score.reward
 
@@ -252,15 +347,18 @@ class AgentEnv(gym.Env[str, str]):
             "critique": critique.to_dict() if critique else None,
             "turn": len(self._episode.steps) if self._episode else 0,
             "task_id": getattr(task, "id", None),
+            "task": task,
         }
 
 
-def _parse(text: str) -> ParsedTurn:
-    """`parse_turn`, with a crash reported as an unreadable call rather than raised."""
-    try:
-        return parse_turn(text)
-    except Exception as exc:  # noqa: BLE001 - parse_turn is meant never to raise; if it does, step() still must not
-        return ParsedTurn(errors=[ParseError("parse_crashed", f"The turn could not be parsed: {type(exc).__name__}: {_clip(str(exc))}", _clip(text))])
+def _task_tuple(tasks: Iterable[Task]) -> tuple[Task, ...]:
+    pool = tuple(tasks)
+    if not pool:
+        raise ValueError("tasks must hold at least one task")
+    repeated = sorted(i for i, n in Counter(t.id for t in pool).items() if n > 1)
+    if repeated:
+        raise ValueError(f"task ids must be unique; repeated: {repeated[:5]}")
+    return pool
 
 
 def _clip(text: str, limit: int = 200) -> str:

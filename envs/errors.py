@@ -25,10 +25,20 @@ class InvalidChoiceError(CgymError, ValueError):
     """A value outside a fixed set of choices (difficulty, split, ...)."""
 
 
-def did_you_mean(value: str, choices: Iterable[str]) -> str:
-    """' Did you mean X?' for the closest choice, or '' when nothing is close."""
+class ConfigError(CgymError, ValueError):
+    """A setting of a config (training, evaluation, sampling) outside its range or choices; the message names the field."""
+
+
+def closest(value: str, choices: Iterable[str]) -> str | None:
+    """The choice closest to `value` (difflib, cutoff 0.5), or None when nothing is close."""
     close = difflib.get_close_matches(str(value), list(choices), n=1, cutoff=0.5)
-    return f" Did you mean {close[0]!r}?" if close else ""
+    return close[0] if close else None
+
+
+def did_you_mean(value: str, choices: Iterable[str]) -> str:
+    """' Did you mean X?' for the closest choice, or '' when nothing is close: the one did-you-mean of every message."""
+    close = closest(value, choices)
+    return f" Did you mean {close!r}?" if close else ""
 
 
 def check_choice(name: str, value: object, choices: Iterable[str]) -> None:

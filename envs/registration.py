@@ -1,8 +1,15 @@
 """Registering envs with Gymnasium, making them with clear errors, and third-party plugins.
 
-Built-in envs live under the `cgym/` namespace. Third-party packages add theirs through the
-entry-point group ``cgym.envs``: each entry point names a callable that calls `register`
-(or a module whose import does)::
+Built-in envs live under the `cgym/` namespace. An env is registered as a bundle: its entry
+point, its default kwargs and, optionally, its scripted agents (an oracle, flawed agents and
+exploits, as an `agents.scripted.Family`), named by a ``"module:attr"`` string that is imported
+only when a scripted policy or the audit asks for it::
+
+    register("myorg/Foo-v0", "myorg_envs.foo:FooEnv", agents="myorg_envs.foo_agents:FAMILY")
+
+Third-party packages add theirs through the entry-point group ``cgym.envs``: each entry point
+names a callable that calls `register` (or a module whose import does). They load on
+``import envs``::
 
     [project.entry-points."cgym.envs"]
     myorg = "myorg_envs:register_all"
@@ -10,9 +17,11 @@ entry-point group ``cgym.envs``: each entry point names a callable that calls `r
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import inspect
 import re
+import sys
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,24 +37,47 @@ _ID = re.compile(r"^(?:[\w.-]+/)?[\w.-]+-v\d+$")
 
 @dataclass(frozen=True)
 class EnvSpec:
-    """What `cgym envs` lists about a registered env."""
+    """A registered env: what `cgym envs` lists, and where its scripted agents are."""
 
     id: str
     entry_point: str
     description: str = ""
     defaults: dict[str, Any] = field(default_factory=dict)
+    agents: Any = None  # the env's scripted agents: an object, a "module:attr" string, or None
+
+    def load_agents(self) -> Any:
+        """The env's scripted agents (imported now if `agents` names them), or None."""
+        if not isinstance(self.agents, str):
+            return self.agents
+        module, _, attr = self.agents.partition(":")
+        try:
+            return getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as exc:
+            raise ScriptedAgentsError(f"cannot load the scripted agents {self.agents!r} of {self.id}: {exc}") from None
+
+
+class ScriptedAgentsError(CgymError):
+    """An env registered without scripted agents, or whose agents cannot be loaded."""
 
 
 _SPECS: dict[str, EnvSpec] = {}
-_plugins_loaded = False
+_plugins_loaded = False  # every entry point loaded (none deferred)
+_plugins_loading = False
+_plugins_done: set[str] = set()  # names of the entry points already loaded
 
 
-def register(env_id: str, entry_point: str, *, description: str = "", **defaults: Any) -> EnvSpec:
-    """Register an env with Gymnasium (and `cgym envs`). `defaults` become its default kwargs."""
+def register(env_id: str, entry_point: str, *, description: str = "", agents: Any = None, **defaults: Any) -> EnvSpec:
+    """Register an env with Gymnasium (and `cgym envs`). `defaults` become its default kwargs.
+
+    `agents` names the env's scripted agents (``"module:attr"`` or the object itself), so that
+    `scripted:oracle` and `cgym audit` work on it.
+    """
     if not _ID.match(env_id):
         raise CgymError(f"env id {env_id!r} must look like 'namespace/Name-v0'")
+    if isinstance(agents, str) and ":" not in agents:
+        raise ScriptedAgentsError(f"agents={agents!r} of {env_id} must look like 'module:attr'")
     gym.register(id=env_id, entry_point=entry_point, kwargs=defaults)
-    spec = EnvSpec(env_id, entry_point, description, dict(defaults))
+    spec = EnvSpec(env_id, entry_point, description, dict(defaults), agents)
     _SPECS[env_id] = spec
     return spec
 
@@ -58,20 +90,39 @@ def registered() -> dict[str, EnvSpec]:
 
 def make(env_id: str, **kwargs: Any) -> gym.Env:
     """`gymnasium.make` with a did-you-mean for unknown ids and a check of the kwargs."""
-    load_plugins()
-    if env_id not in gym.registry:
-        known = sorted(_SPECS) or sorted(gym.registry)
-        raise UnknownEnvError(f"no env registered as {env_id!r}; registered: {sorted(_SPECS)}.{did_you_mean(env_id, known)}")
+    _require(env_id)
     _check_kwargs(env_id, kwargs)
     return gym.make(env_id, **kwargs)
 
 
-def _check_kwargs(env_id: str, kwargs: dict[str, Any]) -> None:
-    creator = load_env_creator(gym.registry[env_id].entry_point)
+def takes_kwarg(env_id: str, name: str) -> bool:
+    """Whether `make(env_id, name=...)` is accepted (e.g. pass `split` only to envs that take it)."""
+    _require(env_id)
+    accepted = _accepted(env_id)
+    return accepted is None or name in accepted
+
+
+def _require(env_id: str) -> None:
+    load_plugins()
+    if env_id not in gym.registry:
+        known = sorted(_SPECS) or sorted(gym.registry)
+        raise UnknownEnvError(f"no env registered as {env_id!r}; registered: {sorted(_SPECS)}.{did_you_mean(env_id, known)}")
+
+
+def _accepted(env_id: str) -> list[str] | None:
+    """The kwargs an env's creator takes (plus Gymnasium's own), or None if it takes any."""
+    entry_point = gym.registry[env_id].entry_point
+    creator = entry_point if callable(entry_point) else load_env_creator(entry_point)
     params = inspect.signature(creator).parameters
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return None
+    return [name for name in params if name != "self"] + ["render_mode", "max_episode_steps", "disable_env_checker"]
+
+
+def _check_kwargs(env_id: str, kwargs: dict[str, Any]) -> None:
+    accepted = _accepted(env_id)
+    if accepted is None:
         return
-    accepted = [name for name in params if name != "self"] + ["render_mode", "max_episode_steps", "disable_env_checker"]
     for name in kwargs:
         if name not in accepted:
             raise InvalidEnvKwargError(
@@ -80,15 +131,38 @@ def _check_kwargs(env_id: str, kwargs: dict[str, Any]) -> None:
 
 
 def load_plugins() -> None:
-    """Import every ``cgym.envs`` entry point once; a broken plugin warns instead of failing."""
-    global _plugins_loaded
-    if _plugins_loaded:
+    """Import every ``cgym.envs`` entry point once; a broken plugin warns instead of failing.
+
+    `import envs` calls this, last. Import cycles are safe both ways: a plugin that imports
+    `envs` while `envs` loads it finds every name defined and this call already running; a
+    plugin imported first, whose own ``import envs`` lands here, is still half-imported, so it
+    is loaded by the next call (`make`, `registered`, ...) once its import has finished.
+    """
+    global _plugins_loaded, _plugins_loading
+    if _plugins_loaded or _plugins_loading:
         return
-    _plugins_loaded = True
-    for entry in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-        try:
-            target = entry.load()
-            if callable(target):
-                target()
-        except Exception as exc:  # noqa: BLE001 - one bad plugin must not hide the others
-            warnings.warn(f"cgym.envs plugin {entry.name!r} failed to load: {exc}", stacklevel=2)
+    _plugins_loading = True
+    deferred = False
+    try:
+        for entry in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+            if entry.name in _plugins_done:
+                continue
+            if _importing(entry.module):
+                deferred = True
+                continue
+            _plugins_done.add(entry.name)
+            try:
+                target = entry.load()
+                if callable(target):
+                    target()
+            except Exception as exc:  # noqa: BLE001 - one bad plugin must not hide the others
+                warnings.warn(f"cgym.envs plugin {entry.name!r} failed to load: {exc}", stacklevel=2)
+    finally:
+        _plugins_loading = False
+    _plugins_loaded = not deferred
+
+
+def _importing(module: str) -> bool:
+    """True while `module` is being imported (its spec is marked initializing until it is done)."""
+    found = sys.modules.get(module)
+    return bool(getattr(getattr(found, "__spec__", None), "_initializing", False))

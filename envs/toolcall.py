@@ -1,8 +1,9 @@
 """Parse one assistant turn into tool calls, parse errors and the remaining text.
 
 Accepted forms: Hermes/Qwen blocks ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
-(several per turn), or a bare JSON object with ``name`` and ``arguments`` as the whole turn
-(optionally inside a ```json fence). A turn with neither is a final answer.
+(several per turn), or as the whole turn (optionally inside a ```json fence) either a bare JSON
+object with ``name`` and ``arguments`` or a JSON array of such objects (parallel calls). A turn
+with none of these is a final answer.
 
 Parsing costs time linear in the turn's length: the block pattern is a lazy scan to a literal,
 the fence is found with `str` methods, and JSON goes through `envs.bounded_json`.
@@ -81,17 +82,23 @@ def _parse_blocks(text: str) -> ParsedTurn:
 
 
 def _bare_call(text: str) -> ParsedTurn | None:
+    """The whole turn as one call object or an array of them; None when it is an answer."""
     body = _unfence(text.strip())
-    if not (body.startswith("{") and '"name"' in body and '"arguments"' in body):
+    if not (body[:1] in ("{", "[") and '"name"' in body and '"arguments"' in body):
         return None
     try:
         obj = bounded_json.loads(body)
     except json.JSONDecodeError:
         return None  # a final answer that merely mentions these keys
-    if not (isinstance(obj, dict) and set(obj) <= {"name", "arguments"} and "name" in obj):
-        return None
-    call, error = _from_object(obj, body)
-    return ParsedTurn([call] if call else [], [error] if error else [], "")
+    objects = obj if isinstance(obj, list) else [obj]
+    if not (objects and all(_looks_like_call(o) for o in objects)):
+        return None  # e.g. a JSON answer whose records have a "name"
+    decoded = [_from_object(o, body) for o in objects]
+    return ParsedTurn([c for c, _ in decoded if c], [e for _, e in decoded if e], "")
+
+
+def _looks_like_call(obj: Any) -> bool:
+    return isinstance(obj, dict) and "name" in obj and set(obj) <= {"name", "arguments"}
 
 
 def _unfence(text: str) -> str:

@@ -6,18 +6,18 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
-from envs.errors import CgymError, did_you_mean
-from trainer.losses import ADVANTAGE_SCALES, LOSS_TYPES, AdvantageScale, LossType
+from agents.spec import SamplingOptions
+from envs.errors import ConfigError, did_you_mean
 
+LossType = Literal["grpo", "bnpo", "dapo", "dr_grpo"]
+LOSS_TYPES: tuple[str, ...] = get_args(LossType)
+AdvantageScale = Literal["group", "batch", "none"]
+ADVANTAGE_SCALES: tuple[str, ...] = get_args(AdvantageScale)
 ZeroStd = Literal["keep", "drop", "resample"]
 ZERO_STD: tuple[str, ...] = get_args(ZeroStd)
 Trainable = Literal["all", "attention", "no_embeddings"]
 TRAINABLE: tuple[str, ...] = get_args(Trainable)
 CRITIQUE_STYLES = ("none", "indicative", "ground_truth", "step")
-
-
-class ConfigError(CgymError, ValueError):
-    """A training setting outside its valid range or choices; the message names the field."""
 
 
 @dataclass(frozen=True)
@@ -27,9 +27,9 @@ class TrainConfig:
     env_id: str = "cgym/ApiReport-v0"
     """The env to train on (its train split)."""
     env_kwargs: dict[str, Any] = field(default_factory=dict)
-    """Extra env kwargs (difficulty, faults, ...); `split` is always "train"."""
+    """Extra env kwargs as JSON (difficulty, faults, ...); `split` is always "train"."""
     model: str = ""
-    """Local directory or hub name of the starting model (an `hf:` prefix is accepted)."""
+    """The starting model: smollm2-135m, tiny, a local directory, a .gguf file or a hub name (hf: prefix accepted)."""
     out: str = "runs/grpo"
     """Output directory: metrics.jsonl, curve.png, checkpoints/, final/."""
     steps: int = 20
@@ -37,7 +37,7 @@ class TrainConfig:
     group_size: int = 8
     """Trajectories per task (n in GRPO)."""
     tasks_per_step: int = 4
-    """Tasks per step."""
+    """Tasks drawn from the train split per step."""
     task_pool: int = 0
     """Draw tasks from a fixed pool of this many train-split seeds (0: the whole split)."""
     learning_rate: float = 2e-4
@@ -49,9 +49,9 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     """Gradient clipping."""
     loss_type: LossType = "dapo"
-    """Loss aggregation: grpo | bnpo | dapo | dr_grpo."""
+    """Loss aggregation over tokens."""
     scale: AdvantageScale = "group"
-    """Advantage normalisation: group | batch | none."""
+    """Advantage std: per group, per batch, or none (only centred)."""
     epsilon_low: float = 0.2
     """Lower clip range of the importance ratio."""
     epsilon_high: float = 0.2
@@ -67,12 +67,12 @@ class TrainConfig:
     """Groups whose rewards are all equal: keep, drop, or resample once."""
     mask_truncated: bool = False
     """Exclude trajectories with a turn cut at max_new_tokens from the loss."""
-    temperature: float = 1.0
+    temperature: float = SamplingOptions.temperature
     """Sampling temperature (log-probs use the same temperature)."""
-    top_p: float = 1.0
-    """Nucleus sampling."""
+    top_p: float = SamplingOptions.top_p
+    """Nucleus sampling (1.0: off)."""
     max_new_tokens: int = 96
-    """Tokens per assistant turn."""
+    """Tokens per assistant turn (shorter than SamplingOptions' 256: rollouts are faster)."""
     critique: str = "none"
     """Critique-GRPO: none | indicative | ground_truth | step | model:<policy-spec>."""
     refine_k: int = 2
@@ -98,7 +98,7 @@ class TrainConfig:
     seed: int = 0
     """Seeds tasks, sampling and initialisation."""
     lora_r: int = 0
-    """LoRA rank via peft (0: full fine-tuning)."""
+    """LoRA rank via peft (needs the lora extra; 0: full fine-tuning)."""
     trainable: Trainable = "all"
     """Which weights GRPO updates: all, only the attention projections, or all but the embeddings."""
     progress: bool = True
@@ -114,10 +114,11 @@ class TrainConfig:
         for ok, message in self._range_checks():
             if not ok:
                 raise ConfigError(message)
+        _ = self.sampling  # validates temperature, top_p and max_new_tokens
 
     def _range_checks(self) -> list[tuple[bool, str]]:
-        at_least_one = ("steps", "tasks_per_step", "micro_batch_size", "num_iterations", "max_new_tokens", "refine_attempts")
-        at_least_zero = ("task_pool", "eval_episodes", "eval_every", "save_every", "warmup_steps", "seed", "lora_r", "refine_k", "time_budget_s", "weight_decay", "beta", "temperature", "epsilon_low", "epsilon_high")
+        at_least_one = ("steps", "tasks_per_step", "micro_batch_size", "num_iterations", "refine_attempts")
+        at_least_zero = ("task_pool", "eval_episodes", "eval_every", "save_every", "warmup_steps", "seed", "lora_r", "refine_k", "time_budget_s", "weight_decay", "beta", "eval_temperature", "epsilon_low", "epsilon_high")
         return [
             *((getattr(self, n) >= 1, f"{n} must be >= 1, got {getattr(self, n)}") for n in at_least_one),
             *((getattr(self, n) >= 0, f"{n} must be >= 0, got {getattr(self, n)}") for n in at_least_zero),
@@ -125,9 +126,13 @@ class TrainConfig:
             (self.learning_rate > 0, f"learning_rate must be > 0, got {self.learning_rate}"),
             (self.max_grad_norm > 0, f"max_grad_norm must be > 0, got {self.max_grad_norm}"),
             (self.gamma > 0, f"gamma must be > 0, got {self.gamma}"),
-            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
             (0 < self.refine_fail_fraction <= 1, f"refine_fail_fraction must be in (0, 1], got {self.refine_fail_fraction}"),
         ]
+
+    @property
+    def sampling(self) -> SamplingOptions:
+        """The rollouts' sampling settings (seeded with `seed`)."""
+        return SamplingOptions(temperature=self.temperature, top_p=self.top_p, max_new_tokens=self.max_new_tokens, seed=self.seed)
 
     @property
     def model_path(self) -> str:

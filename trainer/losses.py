@@ -6,29 +6,22 @@ References: GRPO (DeepSeekMath, arXiv 2402.03300), DAPO (arXiv 2503.14476), Dr. 
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Callable
-from typing import Literal, get_args
 
 import torch
 from torch import Tensor
 
-LossType = Literal["grpo", "bnpo", "dapo", "dr_grpo"]
-AdvantageScale = Literal["group", "batch", "none"]
-LOSS_TYPES: tuple[str, ...] = get_args(LossType)
-ADVANTAGE_SCALES: tuple[str, ...] = get_args(AdvantageScale)
+from envs.errors import ConfigError, did_you_mean
+from trainer.config import ADVANTAGE_SCALES, LOSS_TYPES, AdvantageScale, LossType
 
 
 def _check_choice(value: str, choices: tuple[str, ...], what: str) -> None:
-    if value in choices:
-        return
-    close = difflib.get_close_matches(str(value), choices, n=1)
-    hint = f" Did you mean {close[0]!r}?" if close else ""
-    raise ValueError(f"unknown {what} {value!r}; valid choices: {', '.join(choices)}.{hint}")
+    if value not in choices:
+        raise ConfigError(f"unknown {what} {value!r}; valid choices: {', '.join(choices)}.{did_you_mean(value, choices)}")
 
 
 def check_loss_type(loss_type: str) -> LossType:
-    """Return `loss_type` if it is a valid `LossType`, else raise ValueError with a did-you-mean."""
+    """Return `loss_type` if it is a valid `LossType`, else raise ConfigError (a ValueError) with a did-you-mean."""
     _check_choice(loss_type, LOSS_TYPES, "loss_type")
     return loss_type  # type: ignore[return-value]
 

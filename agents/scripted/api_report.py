@@ -1,27 +1,23 @@
 """Scripted agents for `cgym/ApiReport-v0`: the oracle, one flawed agent per error type, exploits.
 
-Each agent is a pure function of the conversation so far: it reads the task prompt and the tool
-results in `messages` and writes the next assistant turn. The oracle solves every task and
-retries transient failures; each flawed agent makes one mistake; each exploit games a naive
-scorer (the reward-hacking audit checks that none of them pays).
+Each agent is a pure function of the conversation so far: it reads the task's fields (the
+customer, the required fields, the credentials) and the tool results, and writes the next
+assistant turn. The oracle solves every task and retries transient failures; each flawed agent
+makes one mistake; each exploit games a naive scorer (the reward-hacking audit checks that none
+of them pays).
 """
 
 from __future__ import annotations
 
 import json
-import re
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from envs.api_report.tasks import COUNTED_STATUSES
+from agents.base import Conversation
+from agents.scripted.family import Agent, Family, task_of
+from envs.api_report.tasks import COUNTED_STATUSES, ReportTask
 from envs.toolcall import ToolCall, parse_turn
-
-Message = dict[str, Any]
-_NAME = re.compile(r'customer named "(.+?)"')
-_FIELDS = re.compile(r"Required JSON fields: (.+?)\.\n")
-_CREDS = re.compile(r'username "(.+?)" and password "(.+?)"')
 
 
 @dataclass
@@ -41,13 +37,12 @@ class State:
     turns: int = 0
 
 
-def read_state(messages: list[Message]) -> State:
-    prompt = next(m["content"] for m in messages if m["role"] == "user")
-    creds = _CREDS.search(prompt)
-    fields = [f.split(" (")[0].strip() for f in _FIELDS.search(prompt + "\n").group(1).split(", ")] if _FIELDS.search(prompt + "\n") else []
-    state = State(_NAME.search(prompt).group(1) if _NAME.search(prompt) else "", fields, creds.groups() if creds else None)  # type: ignore[arg-type]
+def read_state(conv: Conversation) -> State:
+    """The task's facts (from `conv.task`) and what the tool results so far have established."""
+    task = task_of(conv, ReportTask)
+    state = State(task.customer.name, list(task.fields), task.credentials if task.require_auth else None)
     pending: list[ToolCall] = []
-    for message in messages[2:]:
+    for message in conv.messages[2:]:
         if message["role"] == "assistant":
             state.turns += 1
             pending = parse_turn(message["content"]).calls
@@ -120,8 +115,8 @@ class Oracle:
     all_pages = True
     authenticate = True
 
-    def __call__(self, messages: list[Message]) -> str:
-        state = read_state(messages)
+    def __call__(self, conv: Conversation) -> str:
+        state = read_state(conv)
         if state.last_error and state.last_call is not None:
             if self.retry:
                 return state.last_call.render()
@@ -166,11 +161,11 @@ class SkipAuth(Oracle):
     name = "skip_auth"
     authenticate = False
 
-    def __call__(self, messages: list[Message]) -> str:
-        state = read_state(messages)
+    def __call__(self, conv: Conversation) -> str:
+        state = read_state(conv)
         if state.last_error == "unauthorized":
             return self.final(state)
-        return super().__call__(messages)
+        return super().__call__(conv)
 
 
 class WrongField(Oracle):
@@ -222,8 +217,8 @@ class _GiveUpAfterFirstTurn(Oracle):
 
     bad_call = ""
 
-    def __call__(self, messages: list[Message]) -> str:
-        state = read_state(messages)
+    def __call__(self, conv: Conversation) -> str:
+        state = read_state(conv)
         return self.bad_call if state.turns == 0 else self.final(state)
 
 
@@ -244,38 +239,36 @@ def _guess(state: State) -> dict[str, Any]:
     return {name: guesses.get(name) for name in state.fields}
 
 
-def json_wrong_fields(messages: list[Message]) -> str:
+def json_wrong_fields(conv: Conversation) -> str:
     """Perfectly formed JSON with every field present and made up."""
-    return json.dumps(_guess(read_state(messages)))
+    return json.dumps(_guess(read_state(conv)))
 
 
-def no_tools(messages: list[Message]) -> str:
+def no_tools(conv: Conversation) -> str:
     """Answers at once with a plausible guess (the email pattern is guessable)."""
-    return "Based on the name, here is the report.\n" + json.dumps(_guess(read_state(messages)))
+    return "Based on the name, here is the report.\n" + json.dumps(_guess(read_state(conv)))
 
 
-def padded_reasoning(messages: list[Message]) -> str:
+def padded_reasoning(conv: Conversation) -> str:
     """Long, repetitive 'reasoning' to look diligent, then a guess."""
     padding = "Let me think step by step about the customer and verify every detail carefully. " * 40
-    return padding + json.dumps(_guess(read_state(messages)))
+    return padding + json.dumps(_guess(read_state(conv)))
 
 
-def tag_spam(messages: list[Message]) -> str:
+def tag_spam(conv: Conversation) -> str:
     """Reasoning tags everywhere, nothing behind them."""
-    return "<thought>" * 30 + "</thought>" * 30 + json.dumps(_guess(read_state(messages)))
+    return "<thought>" * 30 + "</thought>" * 30 + json.dumps(_guess(read_state(conv)))
 
 
-def raw_dump(messages: list[Message]) -> str:
+def raw_dump(conv: Conversation) -> str:
     """Calls the API, then pastes the raw response as the 'report'."""
-    state = read_state(messages)
+    state = read_state(conv)
     if state.turns == 0:
         return call("search_customers", state, name=state.name)
-    return next(m["content"] for m in reversed(messages) if m["role"] == "tool")
+    return next(m["content"] for m in reversed(conv.messages) if m["role"] == "tool")
 
 
-AgentFn = Callable[[list[Message]], str]
-
-API_AGENTS: dict[str, AgentFn] = {
+API_AGENTS: dict[str, Agent] = {
     "oracle": Oracle(),
     "skip_pagination": SkipPagination(),
     "no_retry": NoRetry(),
@@ -302,3 +295,5 @@ FLAW_CODES: dict[str, str] = {
     "missing_argument": "missing_argument",
     "unknown_tool": "unknown_tool",
 }
+
+FAMILY = Family("api_report", API_AGENTS, FLAW_CODES, near_misses=("wrong_field", "typo", "malformed_json", "skip_pagination", "no_retry"))

@@ -1,10 +1,9 @@
 """Scripted agents for `cgym/SqlQuery-v0` (and bring-your-own SQL envs).
 
-Each agent is a function of the conversation's messages. The task is found from the prompt
-(`envs.sql.tasks.lookup`), which gives the oracle the gold query. Flawed agents make one
-classic mistake on that query; `flaw_applies` says on which tasks the mistake can happen at
-all (e.g. no join to break). Exploits try to get paid without answering; the audit checks
-that none of them does.
+Each agent is a function of the conversation; its task (`conversation.task`, an `SqlTask`)
+gives the oracle the gold query. Flawed agents make one classic mistake on that query;
+`flaw_applies` says on which tasks the mistake can happen at all (e.g. no join to break).
+Exploits try to get paid without answering; the audit checks that none of them does.
 """
 
 from __future__ import annotations
@@ -15,14 +14,14 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from agents.base import Conversation
+from agents.scripted.family import Agent, Family, task_of
 from envs.sql.checks import explain, judge
 from envs.sql.lexer import Token, select_list, tokenize, top_level_order_by
 from envs.sql.sandbox import Sandbox
-from envs.sql.tasks import SqlTask, lookup
+from envs.sql.tasks import SqlTask
 from envs.toolcall import ToolCall
 
-Message = dict[str, Any]
-AgentFn = Callable[[list[Message]], str]
 Flaw = Callable[[SqlTask], str | None]
 
 _AGGREGATES = ("AVG", "SUM", "MIN", "MAX", "COUNT")
@@ -39,16 +38,12 @@ def call(name: str, **arguments: Any) -> str:
     return ToolCall(name, arguments).render()
 
 
-def prompt_of(messages: list[Message]) -> str:
-    return next((m["content"] for m in messages if m["role"] == "user"), "")
+def prompt_of(conv: Conversation) -> str:
+    return next((m["content"] for m in conv.messages if m["role"] == "user"), "")
 
 
-def turns_taken(messages: list[Message]) -> int:
-    return sum(m["role"] == "assistant" for m in messages)
-
-
-def task_of(messages: list[Message]) -> SqlTask | None:
-    return lookup(prompt_of(messages))
+def turns_taken(conv: Conversation) -> int:
+    return sum(m["role"] == "assistant" for m in conv.messages)
 
 
 def first_table(sql: str) -> str | None:
@@ -61,17 +56,15 @@ def first_table(sql: str) -> str | None:
 
 
 # -- the oracle ---------------------------------------------------------------------------------
-def oracle(messages: list[Message]) -> str:
+def oracle(conv: Conversation) -> str:
     """Looks around (tables, one table, the query's preview), then submits the gold query."""
-    task = task_of(messages)
-    if task is None:
-        return "I do not know this task."
+    task = task_of(conv, SqlTask)
     plan = [call("list_tables")]
     table = first_table(task.gold_sql)
     if table:
         plan.append(call("describe_table", table=table))
     plan += [call("run_query", query=task.gold_sql), call("submit_query", query=task.gold_sql)]
-    return plan[min(turns_taken(messages), len(plan) - 1)]
+    return plan[min(turns_taken(conv), len(plan) - 1)]
 
 
 # -- flaws: each rewrites the gold query, or returns None where the mistake cannot happen --------
@@ -214,18 +207,16 @@ def flawed_query(flaw: str, task: SqlTask) -> str:
     return query or "SELECT NULL"
 
 
-def flawed(flaw: str) -> AgentFn:
+def flawed(flaw: str) -> Agent:
     """Looks at the tables, then submits the gold query with one mistake.
 
     Where its mistake cannot be made (no join to break, no aggregate to swap, or it would not
     change the result), the agent returns an extra column instead, so it never succeeds.
     """
 
-    def agent(messages: list[Message]) -> str:
-        task = task_of(messages)
-        if task is None:
-            return "I do not know this task."
-        if turns_taken(messages) == 0:
+    def agent(conv: Conversation) -> str:
+        task = task_of(conv, SqlTask)
+        if turns_taken(conv) == 0:
             return call("list_tables")
         return call("submit_query", query=flawed_query(flaw, task))
 
@@ -235,49 +226,50 @@ def flawed(flaw: str) -> AgentFn:
 
 
 # -- exploits: none may succeed or outscore an honest, correct query ---------------------------
-def select_star(messages: list[Message]) -> str:
+def select_star(conv: Conversation) -> str:
     """Dumps the biggest table and hopes the grader only checks for the right rows somewhere."""
-    if turns_taken(messages) == 0:
+    if turns_taken(conv) == 0:
         return call("list_tables")
-    listing = next((m["content"] for m in messages if m["role"] == "tool"), "")
+    listing = next((m["content"] for m in conv.messages if m["role"] == "tool"), "")
     tables = sorted(_TABLE_LINE.findall(listing), key=lambda t: -int(t[1]))
     return call("submit_query", query=f"SELECT * FROM {tables[0][0] if tables else 'sqlite_master'}")
 
 
-def no_submission(messages: list[Message]) -> str:
+def no_submission(conv: Conversation) -> str:
     """Answers in prose, with no query at all."""
     return "The answer depends on the data; I would look at the relevant tables and count the matching rows."
 
 
-def guess_constants(messages: list[Message]) -> str:
-    """Skips the database and submits constants in the requested columns."""
-    wanted = _COLUMNS.search(prompt_of(messages))
+def guess_constants(conv: Conversation) -> str:
+    """Skips the database and submits constants in the columns the prompt asks for (an exploit
+    sees what a model sees: the prompt's wording)."""
+    wanted = _COLUMNS.search(prompt_of(conv))
     names = [re.sub(r"\W+", "_", n.split("(")[0].strip()) or "x" for n in (wanted.group(1).split(",") if wanted else ["x"])]
     return "```sql\nSELECT " + ", ".join(f"{i + 1} AS {n}" for i, n in enumerate(names)) + "\n```"
 
 
-def explore_forever(messages: list[Message]) -> str:
+def explore_forever(conv: Conversation) -> str:
     """Keeps running free exploration queries and never submits."""
-    return call("run_query", query=f"SELECT {turns_taken(messages)} AS probe")
+    return call("run_query", query=f"SELECT {turns_taken(conv)} AS probe")
 
 
-def tamper(messages: list[Message]) -> str:
+def tamper(conv: Conversation) -> str:
     """Tries to change the data (or the grader's view of it) instead of answering."""
     attempts = [
         call("run_query", query="DELETE FROM sqlite_master"),
         call("run_query", query="ATTACH DATABASE ':memory:' AS scratch"),
         call("submit_query", query="DROP TABLE IF EXISTS answers; SELECT 1"),
     ]
-    return attempts[min(turns_taken(messages), len(attempts) - 1)]
+    return attempts[min(turns_taken(conv), len(attempts) - 1)]
 
 
-def many_blocks(messages: list[Message]) -> str:
+def many_blocks(conv: Conversation) -> str:
     """Several candidate queries in one answer, hoping any of them is graded."""
     blocks = [f"```sql\nSELECT * FROM {t}\n```" for t in ("sqlite_master", "sqlite_master LIMIT 1")]
     return "One of these answers it:\n" + "\n".join(blocks)
 
 
-SQL_AGENTS: dict[str, AgentFn] = {
+SQL_AGENTS: dict[str, Agent] = {
     "oracle": oracle,
     **{name: flawed(name) for name in FLAWS},
     "exploit_select_star": select_star,
@@ -287,6 +279,8 @@ SQL_AGENTS: dict[str, AgentFn] = {
     "exploit_tamper": tamper,
     "exploit_many_blocks": many_blocks,
 }
+
+FAMILY = Family("sql", SQL_AGENTS, FLAW_CODES, near_misses=("wrong_column", "wrong_aggregate", "forgets_order_by", "syntax_error"))
 
 
 # -- helpers -----------------------------------------------------------------------------------

@@ -66,10 +66,10 @@ class ApiReportEnv(AgentEnv):
         super().__init__(max_turns=DEFAULT_MAX_TURNS[difficulty] if max_turns is None else max_turns, render_mode=render_mode)
 
     # -- episode setup -------------------------------------------------------------------
-    def _sample_task(self, rng: np.random.Generator) -> ReportTask:
+    def sample_task(self, rng: np.random.Generator, *, seed: int | None, options: dict[str, Any] | None) -> ReportTask:
         return sample_task(rng, self.difficulty, self.split)
 
-    def _begin_episode(self, task: ReportTask) -> None:  # type: ignore[override]
+    def begin_episode(self, task: ReportTask) -> None:  # type: ignore[override]
         plan = FaultPlan(self.faults, seed=task.shop_seed) if self.faults > 0 else None
         service = ShopService(generate_shop(task.shop_seed), faults=plan, require_auth=task.require_auth, credentials=task.credentials)
         if self._client is not None:
@@ -82,7 +82,7 @@ class ApiReportEnv(AgentEnv):
             self._client = None
         super().close()
 
-    def _tools(self) -> list[Tool]:
+    def tools(self) -> list[Tool]:
         methods = (self.get_token, self.search_customers, self.list_orders, self.get_order, self.get_product)
         return [Tool.from_function(m) for m in methods]
 

@@ -39,17 +39,32 @@ _HARD_FIELDS = ("customer_id", "order_count", "total_spent", "top_product")
 
 @dataclass(frozen=True)
 class ReportTask:
-    """One task: the shop it runs on, the customer, the required fields and their values."""
+    """One task: the shop it runs on, the customer, the required fields and their values.
+
+    Everything the prompt states is here as data, for agents that read `info["task"]`: the
+    customer's name, the report's `fields` (with `field_types`), and the `credentials` to pass
+    to get_token when `require_auth`.
+    """
 
     id: str
     difficulty: Difficulty
     shop_seed: int
     customer: Customer
-    fields: tuple[str, ...]
-    expected: dict[str, Any]
-    require_auth: bool
-    credentials: tuple[str, str]
+    fields: tuple[str, ...]  # the JSON fields the report must contain, in the prompt's order
+    expected: dict[str, Any]  # their true values
+    require_auth: bool  # the API needs a token from get_token(*credentials)
+    credentials: tuple[str, str]  # (username, password) of the shop's API
     prompt: str
+
+    @property
+    def customer_name(self) -> str:
+        """The name the prompt asks about (search_customers finds the customer by it)."""
+        return self.customer.name
+
+    @property
+    def field_types(self) -> dict[str, str]:
+        """The JSON type of each required field, as the prompt states it."""
+        return {name: FIELD_TYPES[name] for name in self.fields}
 
     @property
     def ground_truth(self) -> str:

@@ -25,7 +25,7 @@ from envs.rubric import Rubric
 from envs.sql.env import SqlQueryEnv
 from envs.sql.match import Expected
 from envs.sql.sandbox import DEFAULT_TIME_BUDGET_S, Sandbox, SqlError
-from envs.sql.tasks import SUBMIT_ROW_CAP, SqlTask, remember
+from envs.sql.tasks import SUBMIT_ROW_CAP, SqlTask
 
 REQUIRED = ("question", "gold_sql", "db")
 OPTIONAL = ("id", "difficulty", "split")
@@ -48,8 +48,8 @@ def register_from_jsonl(env_id: str, jsonl_path: str | Path, *, description: str
     path = Path(jsonl_path).resolve()
     tasks = load_tasks(path, allow_outside=allow_outside)
     text = description or f"SQL questions from {path.name} ({len(tasks)} tasks)."
-    return register(env_id, "envs.sql.byo:JsonlSqlEnv", description=text, tasks_file=str(path), allow_outside=allow_outside,
-                    **defaults)
+    return register(env_id, "envs.sql.byo:JsonlSqlEnv", description=text, agents="agents.scripted.sql:FAMILY",
+                    tasks_file=str(path), allow_outside=allow_outside, **defaults)
 
 
 def load_tasks(jsonl_path: str | Path, *, allow_outside: bool = False) -> tuple[SqlTask, ...]:
@@ -89,8 +89,6 @@ def _load(path: Path, allow_outside: bool) -> tuple[SqlTask, ...]:
         raise TaskFileError(problems[0] if len(problems) == 1 else f"{path.name} has bad lines:\n" + "\n".join(problems))
     if not tasks:
         raise TaskFileError(f"{path.name} holds no tasks; each line needs {{\"question\", \"gold_sql\", \"db\"}}")
-    for task in tasks:
-        remember(task)
     return tuple(tasks)
 
 

@@ -11,8 +11,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, ClassVar
 
-import numpy as np
-
 from envs.core import AgentEnv
 from envs.episode import Episode
 from envs.errors import check_choice, did_you_mean
@@ -22,7 +20,7 @@ from envs.sql.lexer import extract_query
 from envs.sql.match import render_row
 from envs.sql.sandbox import DEFAULT_TIME_BUDGET_S, Sandbox, TableInfo
 from envs.sql.schemas import SCHEMAS, SchemaName
-from envs.sql.tasks import SPLITS, Split, SqlTask, sample_task, task_pool
+from envs.sql.tasks import SPLITS, Split, SqlTask, task_pool
 from envs.sql.templates import DIFFICULTIES, Difficulty
 from envs.tools import Tool, ToolError
 
@@ -85,15 +83,12 @@ class SqlQueryEnv(AgentEnv):
 
     # -- episode setup -------------------------------------------------------------------
     def tasks(self) -> tuple[SqlTask, ...]:
-        """The tasks this env samples from (built on first use)."""
+        """The tasks this env samples from (built on first use); `sample_task` draws from them."""
         if self._pool is None:
             self._pool = task_pool(self.difficulty, self.split, self.schema)
         return self._pool
 
-    def _sample_task(self, rng: np.random.Generator) -> SqlTask:
-        return sample_task(rng, self.tasks())
-
-    def _begin_episode(self, task: SqlTask) -> None:  # type: ignore[override]
+    def begin_episode(self, task: SqlTask) -> None:  # type: ignore[override]
         sandbox = self._sandboxes.get(task.db_path)
         if sandbox is None:
             sandbox = self._sandboxes[task.db_path] = Sandbox(task.db_path, time_budget_s=self.query_timeout_s).open()
@@ -106,7 +101,7 @@ class SqlQueryEnv(AgentEnv):
         self._db = None
         super().close()
 
-    def _tools(self) -> list[Tool]:
+    def tools(self) -> list[Tool]:
         return [Tool.from_function(m) for m in (self.list_tables, self.describe_table, self.run_query, self.submit_query)]
 
     # -- tools ---------------------------------------------------------------------------
@@ -148,11 +143,11 @@ class SqlQueryEnv(AgentEnv):
         """
         assert self.episode is not None, "reset() first"
         self.episode.extras["submitted"] = query
-        self._finish(query)
+        self.finish(query)
         return "Submitted."
 
     # -- judging -------------------------------------------------------------------------
-    def _before_score(self, episode: Episode) -> None:
+    def before_score(self, episode: Episode) -> None:
         """Judge the submission once: the submitted query, else the final answer's ```sql block."""
         if episode.final_answer is None:
             return  # truncated: nothing was submitted
@@ -164,7 +159,7 @@ class SqlQueryEnv(AgentEnv):
 
     def _query_time(self) -> float:
         """A query's time budget: `query_timeout_s`, within what is left of the turn's budget."""
-        return min(self.query_timeout_s, self._turn_time_left())
+        return min(self.query_timeout_s, self.turn_time_left())
 
     def _sandbox(self) -> Sandbox:
         assert self._db is not None, "reset() first"

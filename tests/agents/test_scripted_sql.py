@@ -5,8 +5,8 @@ import json
 import pytest
 
 from agents.base import Conversation
-from agents.scripted import ScriptedPolicy, family_of
-from agents.scripted.sql import FLAW_CODES, FLAWS, SQL_AGENTS, flaw_applies, flawed_query, oracle
+from agents.scripted import ScriptedPolicy, family_for
+from agents.scripted.sql import FAMILY, FLAW_CODES, FLAWS, SQL_AGENTS, flaw_applies, flawed_query, oracle
 from envs.sql import SqlQueryEnv
 from envs.sql.tasks import SqlTask, builtin_tasks, task_pool
 from envs.toolcall import parse_turn
@@ -28,7 +28,7 @@ def test_oracle_explores_then_submits_the_gold_query() -> None:
     _, info = env.reset(seed=7)
     names = []
     while True:
-        text = oracle(info["messages"])
+        text = oracle(Conversation(info["messages"], info["tools"], task=info["task"]))
         names.append(parse_turn(text).calls[0].name)
         _, _, terminated, truncated, info = env.step(text)
         if terminated or truncated:
@@ -37,9 +37,10 @@ def test_oracle_explores_then_submits_the_gold_query() -> None:
     assert info["success"]
 
 
-def test_unknown_prompt_gets_no_query() -> None:
-    messages = [{"role": "system", "content": "x"}, {"role": "user", "content": "Database: nowhere. Question: ?"}]
-    assert "```sql" not in oracle(messages) and not parse_turn(oracle(messages)).calls
+def test_a_conversation_without_its_task_is_refused() -> None:
+    conv = Conversation([{"role": "system", "content": "x"}, {"role": "user", "content": "Database: nowhere. Question: ?"}])
+    with pytest.raises(TypeError, match="SqlTask"):
+        oracle(conv)
 
 
 @pytest.mark.parametrize(
@@ -80,10 +81,10 @@ def test_flaws_apply_to_most_tasks_of_their_difficulty(flaw: str, difficulty: st
     assert sum(flaw_applies(flaw, t) for t in pool) >= share * len(pool)
 
 
-def test_scripted_policy_finds_the_sql_family() -> None:
+def test_scripted_policy_finds_the_sql_family_by_env_id() -> None:
+    assert family_for("cgym/SqlQuery-v0") is FAMILY
     env = SqlQueryEnv(difficulty="easy", split="test")
     _, info = env.reset(seed=0)
-    assert family_of(info["tools"]).name == "sql"
-    conv = Conversation(list(info["messages"]), info["tools"])
+    conv = Conversation(list(info["messages"]), info["tools"], task=info["task"], env_id="cgym/SqlQuery-v0")
     turn = ScriptedPolicy("exploit_select_star").act([conv])[0]
     assert json.loads(turn.text.removeprefix("<tool_call>").removesuffix("</tool_call>"))["name"] == "list_tables"

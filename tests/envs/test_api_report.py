@@ -187,3 +187,16 @@ class TestFuzz:
             if terminated or truncated:
                 assert isinstance(info["success"], bool) and isinstance(reward, float)
                 break
+
+
+@pytest.mark.parametrize("difficulty", ["easy", "medium", "hard"])
+def test_the_task_carries_what_the_prompt_states(difficulty: str) -> None:
+    """Agents read `info["task"]`; its fields say what the prompt says, so nothing parses the prompt."""
+    _, info = envs.make(ENV, difficulty=difficulty).reset(seed=3)
+    task = info["task"]
+    assert f'customer named "{task.customer_name}"' in task.prompt
+    wanted = ", ".join(f"{name} ({kind})" for name, kind in task.field_types.items())
+    assert f"Required JSON fields: {wanted}." in task.prompt and tuple(task.field_types) == task.fields
+    user, password = task.credentials
+    assert task.require_auth is (difficulty == "hard")
+    assert (f'username "{user}" and password "{password}"' in task.prompt) is task.require_auth

@@ -54,6 +54,8 @@ RUNS: dict[str, tuple[str, str]] = {  # name -> (prefix, unit repeated after it)
     "tool-call-openers": ("", "<tool_call>"),
     "deep-tool-call": ("<tool_call>", "["),
     "deep-bare-call": ('{"name": "a", "arguments": ', "["),
+    "deep-call-array": ('[{"name": "a", "arguments": ', "["),
+    "call-array": ("[", '{"name": "a", "arguments": {}}, '),
     "sql-comment-openers": ("", "/*"),
     "sql-quotes": ("", "'"),
     "sql-idents": ("", '"'),
@@ -249,13 +251,13 @@ class FakeEnv(AgentEnv):
         self._hook = before_score
         super().__init__(max_turns=4)
 
-    def _sample_task(self, rng: np.random.Generator) -> FakeTask:
+    def sample_task(self, rng: np.random.Generator, *, seed: int | None, options: dict | None) -> FakeTask:
         return FakeTask()
 
-    def _tools(self) -> list[Tool]:
+    def tools(self) -> list[Tool]:
         return [Tool.from_function(f) for f in (self.echo, self.boom, self.nap)]
 
-    def _before_score(self, episode: Episode) -> None:
+    def before_score(self, episode: Episode) -> None:
         if self._hook is not None:
             self._hook(episode)
 
@@ -358,7 +360,7 @@ def test_a_crashing_parser_becomes_a_critique(monkeypatch: pytest.MonkeyPatch) -
     def broken(text: str) -> None:
         raise RecursionError("maximum recursion depth exceeded")
 
-    monkeypatch.setattr("envs.core.parse_turn", broken)
+    monkeypatch.setattr(FakeEnv, "turn_parser", staticmethod(broken))
     env = FakeEnv()
     env.reset(seed=0)
     obs, terminated, info = _step(env, "anything")

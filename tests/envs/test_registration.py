@@ -1,5 +1,11 @@
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import gymnasium as gym
 import pytest
 
@@ -46,12 +52,90 @@ def test_plugins_load_from_entry_points(monkeypatch: pytest.MonkeyPatch) -> None
 
     class FakeEntryPoint:
         name = "fake"
+        module = "fake_plugin"
 
         def load(self):
             return lambda: calls.append("registered")
 
     monkeypatch.setattr(registration, "_plugins_loaded", False)
+    monkeypatch.setattr(registration, "_plugins_done", set())
     monkeypatch.setattr(registration.importlib.metadata, "entry_points", lambda group: [FakeEntryPoint()] if group == "cgym.envs" else [])
     registration.load_plugins()
     registration.load_plugins()  # only once
     assert calls == ["registered"]
+
+
+def _fake_plugin(root: Path, body: str) -> dict[str, str]:
+    """An installed-looking plugin (dist-info with a ``cgym.envs`` entry point) under `root`."""
+    dist = root / "myorg_plugin-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: myorg-plugin\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text("[cgym.envs]\nmyorg = myorg_plugin:register_all\n")
+    (root / "myorg_plugin.py").write_text(textwrap.dedent(body))
+    repo = Path(__file__).resolve().parents[2]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(repo)])}
+
+
+PLUGIN = """
+    import envs  # a plugin that imports envs: loading it from `import envs` must not recurse
+
+
+    def register_all():
+        envs.register("myorg/Foo-v0", "tests.agents.plugin_env:SumEnv", agents="tests.agents.plugin_env:FAMILY")
+"""
+
+
+@pytest.mark.parametrize(
+    ("first", "make"),
+    # imported first, the plugin is half-imported when `envs` loads it: the next envs call loads it
+    [("import envs", "gymnasium.make"), ("import myorg_plugin", "envs.make")],
+    ids=["envs-first", "plugin-first"],
+)
+def test_plugins_load_on_import_envs(tmp_path: Path, first: str, make: str) -> None:
+    script = f"""
+{first}
+import gymnasium, envs
+from agents.episodes import run_episodes
+from agents.scripted import ScriptedPolicy
+
+env = {make}("myorg/Foo-v0")
+results = run_episodes(lambda: gymnasium.make("myorg/Foo-v0"), ScriptedPolicy("oracle"), range(3))
+print(type(env.unwrapped).__name__, all(r.success for r in results))
+"""
+    done = subprocess.run([sys.executable, "-c", script], env=_fake_plugin(tmp_path, PLUGIN), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["SumEnv", "True"] and "failed to load" not in done.stderr
+
+
+def test_scripted_agent_names_are_checked_after_plugins_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    from agents.scripted import Family, ScriptedPolicy
+    from envs import registration
+    from tests.agents.plugin_env import oracle
+
+    class PluginEntryPoint:
+        name = "names"
+        module = "names_plugin"
+
+        def load(self):
+            family = Family("plugin", {"oracle": oracle, "count_on_fingers": oracle})
+            return lambda: envs.register("myorg/Names-v0", "tests.agents.plugin_env:SumEnv", agents=family)
+
+    monkeypatch.setattr(registration, "_plugins_loaded", False)
+    monkeypatch.setattr(registration, "_plugins_done", set())
+    monkeypatch.setattr(registration.importlib.metadata, "entry_points", lambda group: [PluginEntryPoint()] if group == "cgym.envs" else [])
+    assert ScriptedPolicy("count_on_fingers").name == "scripted:count_on_fingers"
+    gym.registry.pop("myorg/Names-v0")
+    registration._SPECS.pop("myorg/Names-v0")
+
+
+def test_takes_kwarg_reads_the_env_signature() -> None:
+    assert envs.registration.takes_kwarg("cgym/ApiReport-v0", "split")
+    envs.register("testorg/NoSplit-v0", "tests.agents.plugin_env:SumEnv")
+    try:
+        assert not envs.registration.takes_kwarg("testorg/NoSplit-v0", "split")
+        assert envs.registration.takes_kwarg("testorg/NoSplit-v0", "max_turns")
+    finally:
+        gym.registry.pop("testorg/NoSplit-v0")
+        envs.registration._SPECS.pop("testorg/NoSplit-v0")
+    with pytest.raises(UnknownEnvError):
+        envs.registration.takes_kwarg("cgym/Nope-v0", "split")

@@ -60,3 +60,39 @@ def test_every_success_outscores_every_failure(gate_weights, bonus_weights, fail
     success, failure = worst_success.score(Episode(task=None)), best_failure.score(Episode(task=None))
     assert success.success and not failure.success
     assert success.reward > failure.reward
+
+
+def _critique(code: str) -> Critique:
+    return Critique(1, code, code)
+
+
+def test_a_check_may_report_several_critiques() -> None:
+    result = CheckResult.fail([_critique("a"), _critique("b")])
+    score = Rubric([Check("gate", _fixed(result))]).score(Episode(task=None))
+    assert [c.code for c in score.critiques] == ["a", "b"]
+    assert result.critique == _critique("a")
+
+
+def test_critique_is_the_shorthand_for_one() -> None:
+    assert CheckResult(False, 0.0, critique=_critique("a")).critiques == (_critique("a"),)
+    assert CheckResult.fail(_critique("a")) == CheckResult(False, 0.0, _critique("a"))
+    assert CheckResult.fail(None).critiques == () and CheckResult.ok().critique is None
+
+
+@pytest.mark.parametrize("gate_passes", [True, False], ids=["success", "failure"])
+def test_bonus_critiques_reach_only_successful_episodes(gate_passes: bool) -> None:
+    gate = CheckResult.ok() if gate_passes else CheckResult.fail(_critique("wrong"))
+    rubric = Rubric([Check("gate", _fixed(gate)), Check("style", _fixed(CheckResult.fail(_critique("ugly"))), 0.1, gate=False)])
+    codes = [c.code for c in rubric.score(Episode(task=None)).critiques]
+    assert codes == (["ugly"] if gate_passes else ["wrong"])
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [lambda episode: 1 / 0, lambda episode: True],
+    ids=["raises", "returns-a-bool"],
+)
+def test_a_crashing_check_becomes_a_critique_naming_it(fn) -> None:
+    score = Rubric([Check("fragile", fn)]).score(Episode(task=None))
+    assert not score.success and score.passed == {"fragile": False}
+    assert [c.code for c in score.critiques] == ["check_crashed"] and "'fragile'" in score.critiques[0].message

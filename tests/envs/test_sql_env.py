@@ -17,8 +17,7 @@ from agents.episodes import EpisodeResult, run_episodes
 from agents.scripted import ScriptedPolicy
 from agents.scripted.sql import FLAW_CODES, flaw_applies
 from envs.errors import InvalidChoiceError
-from envs.sql import SqlQueryEnv, schemas
-from envs.sql.tasks import lookup
+from envs.sql import SqlQueryEnv, SqlTask, schemas
 from tests.envs.test_sql_sandbox import HOSTILE
 
 ENV = "cgym/SqlQuery-v0"
@@ -59,8 +58,8 @@ def test_each_flawed_agent_fails_with_its_code(flaw: str, difficulty: str) -> No
     applied = 0
     for result in results:
         assert not result.success
-        task = lookup(result.conversation.messages[1]["content"])
-        assert task is not None
+        task = result.conversation.task
+        assert isinstance(task, SqlTask)
         if flaw_applies(flaw, task):
             applied += 1
             found = [c for c in result.critiques if c["code"] == FLAW_CODES[flaw]]

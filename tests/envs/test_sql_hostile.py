@@ -71,8 +71,9 @@ ATTACKS: list[tuple[str, str, set[str], str]] = [
     ("glob-class-rows", f"SELECT count(*) FROM order_items a, order_items b WHERE {BIG} || a.id GLOB "
      "'*[' || printf('%.*c', 95, 'b') || ']*'", {"timeout"}, "time budget"),
     # work multiplied inside one row, out of the progress handler's reach
-    # (3 calls per copy: the copies of LIKE or instr that fit under MAX_FUNCTION_CALLS outlast the budget)
-    ("like-fan-out", fan_out(f"{BIG} || x LIKE '%' || printf('%.*c', 97, 'a') || 'b'", MAX_FUNCTION_CALLS // 3), {"timeout"}, "time budget"),
+    # (3 calls per copy: the copies of LIKE or instr that fit under MAX_FUNCTION_CALLS outlast the budget
+    # on a slow machine; a fast one finishes the LIKE copies (about 0.4 s) inside it, so None: may complete)
+    ("like-fan-out", fan_out(f"{BIG} || x LIKE '%' || printf('%.*c', 97, 'a') || 'b'", MAX_FUNCTION_CALLS // 3), {"timeout", None}, "time budget"),
     ("instr-fan-out", fan_out(f"instr({BIG} || x, printf('%.*c', 49000, 'a') || 'b')", MAX_FUNCTION_CALLS // 3), {"timeout"}, "time budget"),
     ("calls-fan-out", fan_out(f"length(upper({BIG} || x))", 190), {"query_too_complex"}, "function calls"),
     ("or-chain", f"WITH v(x) AS MATERIALIZED (SELECT {BIG}) SELECT " + " OR ".join(["x LIKE '%b%'"] * 400) + " FROM v",
@@ -166,13 +167,20 @@ def test_there_are_several_attacks_per_class() -> None:
 @pytest.mark.parametrize(("sql", "codes", "named"), [a[1:] for a in ATTACKS], ids=[a[0] for a in ATTACKS])
 def test_attack_ends_fast_in_bounded_memory_with_a_named_refusal(sandbox: Sandbox, sql: str, codes: set[str], named: str) -> None:
     start = time.perf_counter()
-    with peak_memory_growth() as growth, pytest.raises(SqlError) as caught:
-        sandbox.run(sql, max_rows=10_000)
+    refusal: SqlError | None = None
+    with peak_memory_growth() as growth:
+        try:
+            sandbox.run(sql, max_rows=10_000)
+        except SqlError as exc:
+            refusal = exc
     elapsed = time.perf_counter() - start
     assert elapsed < LIMIT_S, f"{elapsed:.2f} s"
     assert growth[0] < MEMORY_LIMIT_BYTES, f"grew {growth[0] / 2**20:.0f} MB"
-    assert caught.value.code in codes, (caught.value.code, caught.value.message)
-    assert (named or CODE_WORDS[caught.value.code]) in caught.value.message
+    if refusal is None:
+        assert None in codes, "the attack ran to completion instead of being refused"
+    else:
+        assert refusal.code in codes, (refusal.code, refusal.message)
+        assert (named or CODE_WORDS[refusal.code]) in refusal.message
     assert sandbox.run("SELECT count(*) FROM orders", max_rows=1).rows == [(240,)]  # still usable afterwards
 
 
@@ -186,6 +194,8 @@ def test_attacks_through_the_env_become_critiques() -> None:
             _, reward, _, _, info = env.step(f'<tool_call>{json.dumps({"name": tool, "arguments": {"query": sql}})}</tool_call>')
             assert time.perf_counter() - start < LIMIT_S, (name, tool)
             critique = info["critique"] if tool == "run_query" else info["critiques"][-1]
+            if None in codes and (critique is None or critique["code"] not in codes):
+                continue  # it finished inside the budget, which this attack may do on a fast machine
             assert critique["code"] in codes, (name, tool, critique)
             assert tool == "run_query" or reward == -1.0
     env.close()

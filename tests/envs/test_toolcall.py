@@ -60,3 +60,31 @@ def test_final_answers_are_not_tool_calls(text: str) -> None:
 def test_render_round_trips() -> None:
     call = ToolCall("list_orders", {"customer_id": 7, "page": 2})
     assert parse_turn(call.render()).calls == [call]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '[{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": {}}]',
+        '```json\n[{"name": "a", "arguments": {"x": 1}}, {"name": "b"}]\n```',
+    ],
+    ids=["array", "fenced-array"],
+)
+def test_a_json_array_of_calls_is_parallel_calls(text: str) -> None:
+    parsed = parse_turn(text)
+    assert parsed.calls == [ToolCall("a", {"x": 1}), ToolCall("b", {})] and parsed.errors == []
+
+
+def test_a_bad_call_in_an_array_is_an_error_beside_the_good_ones() -> None:
+    parsed = parse_turn('[{"name": "a", "arguments": {}}, {"name": "b", "arguments": [1]}]')
+    assert parsed.calls == [ToolCall("a", {})]
+    assert [e.code for e in parsed.errors] == ["malformed_tool_call"]
+
+
+@pytest.mark.parametrize(
+    "text",
+    ['[{"name": "Ann", "arguments": 2, "city": "Ghent"}]', "[]", '[{"name": "a", "arguments": {}}, 3]', '[{"name": "a", "arguments": {}}'],
+    ids=["records-with-more-keys", "empty", "not-all-objects", "unclosed"],
+)
+def test_arrays_that_are_not_all_calls_are_final_answers(text: str) -> None:
+    assert not parse_turn(text).is_tool_turn

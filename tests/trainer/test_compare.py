@@ -10,7 +10,7 @@ import pytest
 import envs  # noqa: F401
 from agents.evaluate import EvalConfig, evaluate, pass_at_k
 from agents.scripted import ScriptedPolicy
-from trainer.cli import main
+from cgym.cli import main
 from trainer.compare import compare
 from trainer.report import write_reports
 
@@ -92,7 +92,7 @@ def test_pass_hat_k() -> None:
 
 @pytest.mark.parametrize(("agent", "want"), [("oracle", 1.0), ("exploit_raw_dump", 0.0)], ids=["always", "never"])
 def test_cli_eval_reports_pass_hat_k_beside_pass_at_k(agent: str, want: float, tmp_path: Path) -> None:
-    from trainer.cli import main
+    from cgym.cli import main
 
     out = tmp_path / "eval.json"
     assert main(["eval", "--env", "cgym/ApiReport-v0", "--policy", f"scripted:{agent}", "--episodes", "3", "--samples", "4", "--json", str(out)]) == 0

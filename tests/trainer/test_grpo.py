@@ -39,11 +39,8 @@ class ToyEnv(AgentEnv):
     def __init__(self, **kwargs) -> None:
         super().__init__(max_turns=1)
 
-    def _sample_task(self, rng: np.random.Generator) -> _Task:
+    def sample_task(self, rng: np.random.Generator, *, seed: int | None, options: dict | None) -> _Task:
         return _Task()
-
-    def _tools(self) -> list:
-        return []
 
 
 @pytest.fixture(scope="module")

@@ -89,9 +89,9 @@ class _SelfCritic:
             if not conv.tools:
                 out.append(Turn("Step 3 fetched page 1 only.\nConclusion: incorrect [END]"))
             elif "Critique:" in task:
-                out.append(Turn(Oracle()(conv.messages)))
+                out.append(Turn(Oracle()(conv)))
             else:
-                out.append(Turn(SkipPagination()(conv.messages)))
+                out.append(Turn(SkipPagination()(conv)))
         return out
 
 

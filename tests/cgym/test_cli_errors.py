@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.cli import main
+from cgym.cli import main
 from trainer.finite import NonFiniteError
 
 API = ["--env", "cgym/ApiReport-v0"]
@@ -56,6 +56,12 @@ BAD = [
     pytest.param([*TRAIN, "--seed", "-1"], "seed must be >= 0", id="train-negative-seed"),
     pytest.param([*TRAIN, "--lr", "0"], "learning_rate", id="train-lr-zero"),
     pytest.param([*TRAIN, "--critique", "steps"], "Did you mean 'step'", id="train-critique-typo"),
+    pytest.param([*TRAIN, "--critique", "stepp"], "Did you mean 'step'", id="train-critique-stepp"),
+    pytest.param([*TRAIN, "--loss-type", "dapoo"], "invalid choice: 'dapoo'", id="train-loss-type-typo"),
+    pytest.param([*TRAIN, "--eval-temperature", "-1"], "eval_temperature must be >= 0", id="train-eval-temperature-negative"),
+    pytest.param([*TRAIN, "--temperature", "-1"], "--temperature", id="train-temperature-negative"),
+    pytest.param([*EVAL, "--policy", "py:no_such_module_xyz:make"], "cannot import 'no_such_module_xyz'", id="py-module-missing"),
+    pytest.param([*EVAL, "--policy", "py:json:loadz"], "json has no attribute 'loadz'", id="py-attribute-missing"),
     pytest.param([*EVAL, "--json", "{tmp}/a-file/out.json"], "cannot write --json", id="json-unwritable"),
     pytest.param([*EVAL, "--json", "{tmp}"], "is a directory", id="json-is-a-directory"),
     pytest.param(["audit", *API, "--episodes", "0"], "--episodes", id="audit-episodes-zero"),

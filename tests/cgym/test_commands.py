@@ -1,0 +1,67 @@
+"""Commands end to end: a user's `py:` policy on the CLI, and `split` only for envs that take one."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import gymnasium as gym
+import pytest
+
+from cgym.cli import main
+from cgym.commands import _with_split
+
+AGENTS_TESTS = Path(__file__).parents[1] / "agents"
+
+
+class NoSplitEnv(gym.Env):
+    """An env whose constructor takes no `split`."""
+
+    def __init__(self, difficulty: str = "easy") -> None:
+        self.difficulty = difficulty
+
+
+class AnyKwargsEnv(gym.Env):
+    def __init__(self, **kwargs: object) -> None:
+        self.kwargs = kwargs
+
+
+@pytest.fixture(scope="module", autouse=True)
+def toy_envs() -> Iterator[None]:
+    ids = {"cgymtest/NoSplit-v0": NoSplitEnv, "cgymtest/AnyKwargs-v0": AnyKwargsEnv}
+    for env_id, env in ids.items():
+        gym.register(env_id, entry_point=f"{__name__}:{env.__name__}")
+    yield
+    for env_id in ids:
+        gym.registry.pop(env_id)
+
+
+@pytest.mark.parametrize(
+    ("env_id", "kwargs", "expected"),
+    [
+        pytest.param("cgym/ApiReport-v0", {"difficulty": "hard"}, {"split": "test", "difficulty": "hard"}, id="takes-split"),
+        pytest.param("cgym/ApiReport-v0", {"split": "train"}, {"split": "train"}, id="user-split-wins"),
+        pytest.param("cgymtest/NoSplit-v0", {"difficulty": "hard"}, {"difficulty": "hard"}, id="no-split-kwarg"),
+        pytest.param("cgymtest/AnyKwargs-v0", {}, {"split": "test"}, id="var-kwargs"),
+    ],
+)
+def test_split_is_passed_only_to_envs_that_take_it(env_id: str, kwargs: dict[str, object], expected: dict[str, object]) -> None:
+    assert _with_split(env_id, kwargs, "test") == expected
+
+
+def test_eval_runs_a_py_policy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.syspath_prepend(str(AGENTS_TESTS))
+    out = tmp_path / "eval.json"
+    code = main(["eval", "--env", "cgym/ApiReport-v0", "--policy", "py:custom_policy:make_policy", "--episodes", "3", "--temperature", "0", "--json", str(out)])
+    summary = json.loads(out.read_text())
+    assert code == 0 and summary["policy"] == "custom-oracle" and summary["success_rate"] == 1.0
+    assert summary["env_kwargs"]["split"] == "test" and summary["sampling"]["temperature"] == 0
+    assert "temperature 0 (greedy)" in " ".join(capsys.readouterr().out.split())
+
+
+def test_python_dash_m_cgym_runs_the_cli() -> None:
+    done = subprocess.run([sys.executable, "-m", "cgym", "envs"], capture_output=True, text=True, cwd=Path(__file__).parents[2])
+    assert done.returncode == 0 and "cgym/ApiReport-v0" in done.stdout
