@@ -26,6 +26,7 @@ from agents.kv_cache import PrefixCache
 from agents.precision import SamplingWeights
 from agents.pretrained import SHORT_NAMES, resolve_model
 from agents.sampling import Sample, SamplingParams, sample_batch
+from agents.spec import SamplingOptions
 from agents.turn_cache import TurnCache
 from envs.errors import CgymError
 
@@ -49,9 +50,9 @@ class HFPolicy:
         model: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase,
         *,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        max_new_tokens: int = 256,
+        temperature: float = SamplingOptions.temperature,
+        top_p: float = SamplingOptions.top_p,
+        max_new_tokens: int = SamplingOptions.max_new_tokens,
         device: str | torch.device = "cpu",
         seed: int | None = None,
         name: str | None = None,

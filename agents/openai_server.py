@@ -27,7 +27,7 @@ from typing import Any
 import httpx
 
 from agents.base import Conversation, Message, Turn
-from agents.spec import PolicySpecError
+from agents.spec import PolicySpecError, SamplingOptions
 from envs.errors import CgymError, did_you_mean
 from envs.toolcall import parse_turn
 
@@ -81,9 +81,9 @@ class OpenAIPolicy:
         base_url: str,
         *,
         api_key: str | None = None,
-        temperature: float = 0.7,
-        top_p: float = 1.0,
-        max_tokens: int = 512,
+        temperature: float = SamplingOptions.temperature,
+        top_p: float = SamplingOptions.top_p,
+        max_tokens: int = SamplingOptions.max_new_tokens,
         timeout_s: float = 60.0,
         deadline_s: float = 120.0,
         max_retries: int = 4,

@@ -21,24 +21,10 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 from agents.kv_cache import GrowingLayer, PrefixCache, dynamic_cache, growing_cache, shared_prefix, use_prefix_attention
+from agents.spec import SamplingOptions
 from agents.turn_cache import Reuse, TurnCache
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to pick tokens. temperature 0 is greedy; top_p 1.0 disables nucleus filtering."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_new_tokens: int = 256
-
-    def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+SamplingParams = SamplingOptions  # how to pick tokens: the one sampling-settings type (agents.spec)
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,7 @@ class Setting:
     tasks_per_step: int
     out: Path
     task_pool: int = 0
-    learning_rate: float = 2e-4
+    learning_rate: float = 1e-5
     temperature: float = 1.0
     env_id: str = ENVS["api"]
     sft_lr: float = 5e-5
@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--tasks-per-step", type=int, default=4)
     parser.add_argument("--task-pool", type=int, default=0, help="train on a fixed pool of N train tasks (0: the whole split)")
-    parser.add_argument("--lr", type=float, default=2e-4)
+    parser.add_argument("--lr", type=float, default=1e-5, help="GRPO learning rate (1e-5 suits SmolLM2; the tiny model trained at 2e-4)")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--ablations", action="store_true", help="also run the ablation arms (first seed only)")
     parser.add_argument("--ablation-seeds", type=int, nargs="+", help="seeds for the ablation arms (default: the first of --seeds)")

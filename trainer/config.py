@@ -40,8 +40,9 @@ class TrainConfig:
     """Tasks drawn from the train split per step."""
     task_pool: int = 0
     """Draw tasks from a fixed pool of this many train-split seeds (0: the whole split)."""
-    learning_rate: float = 2e-4
-    """AdamW learning rate (constant after warm-up)."""
+    learning_rate: float = 1e-5
+    """AdamW learning rate (constant after warm-up). 1e-5 suits SmolLM2 (2e-4 took its greedy
+    success on SqlQuery easy from 38% to 0% in 5 steps); the embedded tiny model trains at 2e-4."""
     warmup_steps: int = 0
     """Linear warm-up steps."""
     weight_decay: float = 0.0

@@ -84,44 +84,6 @@ def html_report(result: dict[str, Any], images: list[Path], *, title: str = "cri
     return "".join(parts)
 
 
-COPY_PROBE_NOTE = (
-    "Each model is fed the oracle's transcripts of the test episodes; a value counts as copied when every one of its "
-    "tokens is the model's top choice. A few-valued field that is right only for its common value is guessed from "
-    "the prior, not read from the tool result."
-)
-
-
-def copy_probe_rows(probes: dict[str, dict[str, Any]]) -> list[tuple[str, str, int, list[float]]]:
-    """(field, value, count, share copied by each model): one row per value of the few-valued
-    fields, one ("all") for the others; `probes` maps a label to `agents.copy_probe.tally` output."""
-    first = next(iter(probes.values()), {})
-    rows = []
-    for field, entry in first.items():
-        for value, cell in (entry.get("by_value") or {"all": entry}).items():
-            shares = [(tally[field].get("by_value") or {"all": tally[field]})[value]["copied"] for tally in probes.values()]
-            rows.append((field, value, cell["n"], shares))
-    return rows
-
-
-def copy_probe_md(probes: dict[str, dict[str, Any]], episodes: int) -> str:
-    header = "| field | value | n | " + " | ".join(probes) + " |"
-    lines = [f"## Copying or guessing ({episodes} oracle transcripts)", "", COPY_PROBE_NOTE, "", header, "|" + "---|" * (3 + len(probes))]
-    lines += [f"| {field} | {value} | {n} | " + " | ".join(f"{share:.0%}" for share in shares) + " |" for field, value, n, shares in copy_probe_rows(probes)]
-    return "\n".join(lines)
-
-
-def copy_probe_html(probes: dict[str, dict[str, Any]], episodes: int) -> str:
-    head = "".join(f"<th>{_e(label)}</th>" for label in probes)
-    rows = "".join(
-        f"<tr><td>{_e(field)}</td><td>{_e(value)}</td><td>{n}</td>" + "".join(f"<td>{share:.0%}</td>" for share in shares) + "</tr>"
-        for field, value, n, shares in copy_probe_rows(probes)
-    )
-    return (
-        f"<h2>Copying or guessing ({episodes} oracle transcripts)</h2><p>{_e(COPY_PROBE_NOTE)}</p>"
-        f"<table id='copy-probe'><thead><tr><th>field</th><th>value</th><th>n</th>{head}</tr></thead><tbody>{rows}</tbody></table>"
-    )
-
-
 def _summary_table(result: dict[str, Any]) -> str:
     checks = sorted({c for arm in result["arms"].values() for c in arm["check_pass_rates"]})
     head = "".join(f"<th>{_e(c)}</th>" for c in checks)

@@ -25,7 +25,6 @@ time budget. Every refusal raises `SqlError` with a stable critique code and nam
 
 from __future__ import annotations
 
-import difflib
 import itertools
 import re
 import sqlite3
@@ -38,6 +37,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from envs.errors import closest, did_you_mean
 from envs.sql.lexer import leading_keyword, split_statements, tokenize
 from envs.tools import ToolError
 
@@ -426,15 +426,14 @@ class Sandbox:
     def _unknown(self, kind: str, name: str) -> SqlError:
         bare = name.rsplit(".", 1)[-1]
         choices = list(self.tables) if kind == "table" else list(self.columns)
-        close = difflib.get_close_matches(bare, choices, n=1, cutoff=0.5)
+        close = closest(bare, choices)
         if kind == "column" and close:
-            hint = f" Did you mean {close[0]!r} (in {', '.join(self.columns[close[0]])})?"
+            hint = f" Did you mean {close!r} (in {', '.join(self.columns[close])})?"
         elif close:
-            hint = f" Did you mean {close[0]!r}?"
+            hint = did_you_mean(bare, choices)
         else:
             hint = f" Known {kind}s: {', '.join(sorted(choices)[:12])}."
-        return SqlError(f"unknown_{kind}", f"There is no {kind} {name!r}.{hint}",
-                        expected=close[0] if close else None, got=name)
+        return SqlError(f"unknown_{kind}", f"There is no {kind} {name!r}.{hint}", expected=close, got=name)
 
 
 # -- guarded built-ins: a check returns why a call is refused, or None --------------------------

@@ -151,7 +151,7 @@ def test_native_request_has_tool_calls_ids_and_tools(policy: OpenAIPolicy) -> No
     route = respx.post(ENDPOINT).mock(return_value=httpx.Response(200, json=completion("done")))
     policy.act([Conversation(messages=list(HISTORY), tools=[SEARCH_TOOL])])
     body = sent_json(route)
-    assert body["model"] == "m" and body["max_tokens"] == 512
+    assert body["model"] == "m" and body["max_tokens"] == 256  # SamplingOptions.max_new_tokens
     assert body["tools"] == [SEARCH_TOOL]
     messages = body["messages"]
     assert [m["role"] for m in messages] == ["system", "user", "assistant", "tool", "tool", "assistant", "tool"]

@@ -135,3 +135,23 @@ def test_the_quick_check_accepts_only_what_jsonschema_accepts(tool: Tool, argume
     assert tool._quick is not None
     if tool._quick(arguments):
         assert tool._validator.is_valid(arguments)
+
+
+def test_from_function_follows_transformers_get_json_schema() -> None:
+    """Our schemas from typed functions are transformers' `get_json_schema` (the convention TRL and
+    chat templates use) except where that leaves JSON Schema: no "return", no OpenAPI "nullable",
+    and an explicit empty "required". Kept our own: `envs` stays free of the transformers import."""
+    get_json_schema = pytest.importorskip("transformers.utils").get_json_schema
+    import envs
+
+    for env_id in ("cgym/ApiReport-v0", "cgym/SqlQuery-v0"):
+        env = envs.make(env_id)
+        env.reset(seed=0)
+        for tool in env.unwrapped._tool_list:
+            theirs = get_json_schema(tool.fn)["function"]
+            theirs.pop("return", None)
+            theirs["parameters"].setdefault("required", [])
+            for prop in theirs["parameters"]["properties"].values():
+                prop.pop("nullable", None)
+            assert tool.schema["function"] == theirs, tool.name
+        env.close()

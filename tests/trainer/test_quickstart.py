@@ -30,19 +30,6 @@ def test_quickstart_writes_the_reports_and_the_figures(tmp_path: Path, tiny_chat
     assert summary["arms"]["SFT"] < 0.05 and "larger --sft-demos" in printed
 
 
-def test_copy_probe_rows_line_up_values_across_models() -> None:
-    from trainer.report import copy_probe_md, copy_probe_rows
-
-    def tally(standard: float, gold: float, ids: float) -> dict:
-        by_value = {"gold": {"n": 1, "copied": gold}, "standard": {"n": 3, "copied": standard}}
-        return {"tier": {"n": 4, "copied": 0.0, "by_value": by_value}, "customer_id": {"n": 4, "copied": ids}}
-
-    probes = {"before": tally(1.0, 0.0, 0.5), "after": tally(1.0, 1.0, 0.75)}
-    assert copy_probe_rows(probes) == [("tier", "gold", 1, [0.0, 1.0]), ("tier", "standard", 3, [1.0, 1.0]), ("customer_id", "all", 4, [0.5, 0.75])]
-    md = copy_probe_md(probes, 4)
-    assert "| field | value | n | before | after |" in md and "| tier | gold | 1 | 0% | 100% |" in md
-
-
 def test_embedded_model_drills_mix_copies_and_look_ups(monkeypatch, tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 

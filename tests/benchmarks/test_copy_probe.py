@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from agents.chat import ChatEncoder
-from agents.copy_probe import FieldProbe, probe_episode, report_values, tally, value_group, value_spans
 from agents.episodes import run_episodes
 from agents.scripted import ScriptedPolicy
+from benchmarks.copy_probe import FieldProbe, probe_episode, report_values, tally, value_group, value_spans
 from envs.registration import make
 
 
