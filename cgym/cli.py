@@ -22,13 +22,14 @@ from agents.evaluate import EvalConfig
 from agents.spec import SamplingOptions
 from cgym import commands
 from cgym.commands import UsageError, err_console
-from cgym.options import COUNT, NATURAL, NON_NEGATIVE, POSITIVE, SHARE, TOP_P, add_config_options, json_object
+from cgym.options import COUNT, NATURAL, NON_NEGATIVE, POSITIVE, SHARE, TOP_P, add_config_options, bounded, json_object
 from envs.errors import CgymError
 from trainer.config import TrainConfig
 
 SAMPLING_TYPES = {"temperature": NON_NEGATIVE, "top_p": TOP_P, "max_new_tokens": COUNT}
 POLICY_HELP = "policy spec: scripted:<agent>, hf:<dir-or-hub-name>, openai:<model>@<base_url>, vllm:<name>, py:<module>:<callable>, guarded:<spec>, prompted:<spec>"
 EVAL_TYPES = {"episodes": COUNT, "seed": NATURAL, "samples": COUNT, "batch_size": COUNT}
+PORT = bounded(int, lambda v: 0 <= v <= 65535, "in [0, 65535]")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -169,6 +170,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=NATURAL, default=0)
     p.set_defaults(func=commands.cmd_quickstart)
 
+    p = sub.add_parser("serve", help="serve an env over OpenEnv (HTTP/WebSocket sessions), or one episode over MCP (stdio)")
+    p.add_argument("env")
+    p.add_argument("--env-kwargs", type=json_object, default={})
+    p.add_argument("--host", help="OpenEnv: the address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=PORT, help="OpenEnv: the port to listen on (default 8000; 0 picks a free one)")
+    p.add_argument("--max-sessions", type=COUNT, help="OpenEnv: concurrent sessions, one env each (default 64)")
+    p.add_argument("--session-timeout", type=POSITIVE, help="OpenEnv: close a session idle this many seconds (default: never)")
+    p.add_argument("--mcp", action="store_true", help="serve one episode's tools over MCP on stdin/stdout instead")
+    p.add_argument("--seed", type=NATURAL, help="MCP: the episode's task seed (default 0)")
+    p.set_defaults(func=commands.cmd_serve)
+
     p = sub.add_parser("bench", help="benchmarks: env overhead per step, trainer vs TRL")
     p.add_argument("what", choices=["env", "trainer"])
     _add_env(p, default="cgym/ApiReport-v0")
@@ -183,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run one command; a user error is one `error: ...` line on stderr and exit code 2."""
     args = build_parser().parse_args(argv)
-    if args.command not in ("envs", "audit") and not (args.command == "bench" and args.what == "env"):
+    if args.command not in ("envs", "audit", "serve") and not (args.command == "bench" and args.what == "env"):
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # "Loading weights" bars drown the transcripts

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -209,6 +210,42 @@ def cmd_compare(args: argparse.Namespace) -> int:
         args.html.write_text(html_report(result, images, title=f"{result['labels'][0]} vs {result['labels'][-1]}"))
         args.html.with_suffix(".md").write_text(markdown_report(result))
         console.print(f"wrote [bold]{args.html}[/bold]")
+    return 0
+
+
+_SERVE_FLAGS = {"mcp": ("seed",), "openenv": ("host", "port", "max_sessions", "session_timeout")}  # flags of one mode only
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    unused = [f"--{name.replace('_', '-')}" for name in _SERVE_FLAGS["openenv" if args.mcp else "mcp"] if getattr(args, name) is not None]
+    if unused:
+        raise UsageError(f"{', '.join(unused)} {'is not used with --mcp' if args.mcp else 'is only used with --mcp'}; drop it")
+    try:
+        return _serve_mcp(args) if args.mcp else _serve_openenv(args)
+    except ModuleNotFoundError as exc:
+        raise UsageError(f"cgym serve{' --mcp' if args.mcp else ''} needs {exc.name}: pip install 'critique-gym[interop]'") from None
+
+
+def _serve_mcp(args: argparse.Namespace) -> int:
+    from envs.integrations.mcp import serve_stdio
+
+    serve_stdio(args.env, env_kwargs=args.env_kwargs, seed=args.seed or 0)  # stdout carries the protocol: print nothing on it
+    return 0
+
+
+def _serve_openenv(args: argparse.Namespace) -> int:
+    from envs.integrations.openenv import REMOTE_ENV_ID, build_app, serve
+
+    app = build_app(args.env, env_kwargs=args.env_kwargs, max_sessions=args.max_sessions or 64, session_timeout_s=args.session_timeout)
+    host, port = args.host or "127.0.0.1", 8000 if args.port is None else args.port
+    try:
+        sock = socket.create_server((host, port))
+    except OSError as exc:
+        raise UsageError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    url = f"http://{host}:{sock.getsockname()[1]}"
+    console.print(f"serving {args.env} {json.dumps(args.env_kwargs)} over OpenEnv at {url} (sessions on /ws); Ctrl-C stops", soft_wrap=True)
+    console.print(f"play it with: --env {REMOTE_ENV_ID} --env-kwargs '{json.dumps({'url': url})}'", soft_wrap=True, highlight=False)
+    serve(app, sock)
     return 0
 
 

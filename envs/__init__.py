@@ -33,6 +33,11 @@ register(
     description="Answer questions about a SQLite database (shop, HR, flights) with one SQL query; execution match.",
     agents="agents.scripted.sql:FAMILY",
 )
+register(
+    "openenv/Remote-v0",
+    "envs.integrations.openenv:RemoteEnv",
+    description="An env served by `cgym serve` (OpenEnv, over WebSocket); pass its url=, e.g. 'http://127.0.0.1:8000'.",
+)
 
 __all__ = [
     "AgentEnv",

@@ -208,6 +208,18 @@ class AgentEnv(gym.Env[str, str]):
         """End the episode after this turn with `answer` as the final answer (e.g. from a submit tool)."""
         self._final_answer = answer
 
+    def truncate(self, reason: str) -> tuple[float, dict[str, Any]]:
+        """End the open episode now, without a final answer, and score it like a truncation.
+
+        For a caller whose rollout stopped outside the env (a trainer's token or tool-call budget);
+        `reason` is the message of the episode's `no_final_answer` critique. Returns the reward and
+        the end-of-episode `info`.
+        """
+        if self._episode is None or self._score is not None:
+            raise ResetNeeded("truncate() needs an open episode: call reset() first")
+        info = self._info(None)
+        return self._end_episode(True, info, reason), info
+
     def turn_time_left(self) -> float:
         """Seconds left of this step's `turn_time_s`: a slow tool (a query) must finish within it."""
         return max(self._turn_deadline - time.perf_counter(), 0.0)
@@ -312,7 +324,7 @@ class AgentEnv(gym.Env[str, str]):
         self._messages.append({"role": "tool", "name": name, "content": content})
         return content
 
-    def _end_episode(self, truncated: bool, info: dict[str, Any]) -> float:
+    def _end_episode(self, truncated: bool, info: dict[str, Any], reason: str | None = None) -> float:
         assert self._episode is not None
         self._episode.final_answer = self._final_answer
         self._episode.truncated = truncated
@@ -326,7 +338,7 @@ class AgentEnv(gym.Env[str, str]):
         critiques += score.critiques
         if truncated and not score.success:
             critiques.append(
-                Critique(self._episode.final_step, self.truncation_code, f"The turn limit ({self.max_turns}) was reached without a final answer.")
+                Critique(self._episode.final_step, self.truncation_code, reason or f"The turn limit ({self.max_turns}) was reached without a final answer.")
             )
         critiques.sort(key=lambda c: c.step)
         self._score = Score(score.reward, score.success, score.breakdown, critiques, score.passed)

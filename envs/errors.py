@@ -25,6 +25,10 @@ class InvalidChoiceError(CgymError, ValueError):
     """A value outside a fixed set of choices (difficulty, split, ...)."""
 
 
+class MissingExtraError(CgymError, ImportError):
+    """An optional feature whose library is not installed; the message names the pip extra."""
+
+
 class ConfigError(CgymError, ValueError):
     """A setting of a config (training, evaluation, sampling) outside its range or choices; the message names the field."""
 

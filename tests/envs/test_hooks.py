@@ -10,7 +10,7 @@ import pytest
 from gymnasium.utils.env_checker import check_env
 
 from envs import AgentEnv, Check, CheckResult, Critique, Rubric, SimpleTask, Tool
-from envs.core import Task
+from envs.core import ResetNeeded, Task
 from envs.episode import Episode
 from envs.errors import InvalidChoiceError
 from envs.toolcall import ParsedTurn, ToolCall
@@ -217,3 +217,15 @@ def test_repeated_tool_names_are_refused() -> None:
 
     with pytest.raises(ValueError, match="tool names must be unique"):
         Twice().reset(seed=0)
+
+
+def test_truncate_ends_an_open_episode_with_the_callers_reason() -> None:
+    env = WeatherEnv()
+    env.reset(seed=0, options={"task_id": "oslo"})
+    env.step(call("get_weather", city="Oslo"))
+    reward, info = env.truncate("The trainer's token budget ran out.")
+    assert reward == 0.0 and not info["success"]
+    assert info["critiques"][-1]["code"] == "no_final_answer" and info["critiques"][-1]["message"] == "The trainer's token budget ran out."
+    assert info["episode"].truncated
+    with pytest.raises(ResetNeeded):
+        env.truncate("again")

@@ -1,0 +1,367 @@
+"""Serve any registered env as an OpenEnv environment server, and use a served env as a Gymnasium env.
+
+Server (`cgym serve ENV --port P`): `build_app` wraps the env in OpenEnv's `HTTPEnvServer`, so each
+WebSocket session (`/ws`) gets its own env instance, sessions run concurrently up to
+`max_sessions`, and a session's env is closed when its client disconnects (or, with
+`session_timeout_s`, when it has been idle that long). The action is one assistant turn
+(`TurnAction.text`); the observation (`TurnObservation`) carries what `info` holds locally, as JSON.
+OpenEnv's per-request HTTP `/reset` and `/step` build a fresh env per call, which cannot hold a
+multi-turn episode, so the app serves OpenEnv's production routes (`/ws`, `/health`, `/metadata`,
+`/schema`) only.
+
+Client (`envs.make("openenv/Remote-v0", url=...)`): `RemoteEnv` speaks to that server through
+OpenEnv's own `EnvClient` and returns what the local env returns, so `cgym eval` and `cgym train`
+run against a served env unchanged::
+
+    cgym serve cgym/ApiReport-v0 --port 8000 --env-kwargs '{"difficulty": "medium"}'
+    cgym eval --env openenv/Remote-v0 --env-kwargs '{"url": "http://127.0.0.1:8000"}' --policy hf:...
+
+What does not cross the wire: the typed task object (`info["task"]` is a `SimpleTask` of the id
+and prompt, so scripted agents, which read task fields, cannot play a remote env) and the
+episode's env-specific trail (`Episode.extras`; the checks that read it run on the server). The
+finished episode itself does (`episode_to_dict`), so critiques render remotely as they do locally.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import socket
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import asdict
+from typing import Any, ClassVar
+
+import gymnasium as gym
+from gymnasium.spaces import Text
+
+from envs.core import CHARSET, MAX_ACTION_CHARS, MAX_OBSERVATION_CHARS, ResetNeeded, SimpleTask
+from envs.critique import Critique
+from envs.episode import Episode, StepRecord, ToolResult
+from envs.errors import CgymError, InvalidEnvKwargError, MissingExtraError, check_choice
+
+try:
+    from openenv.core.client_types import StepResult
+    from openenv.core.env_client import EnvClient
+    from openenv.core.env_server import Action, ConcurrencyConfig, Environment, HTTPEnvServer, Observation, ServerMode, State
+    from openenv.core.env_server.types import EnvironmentMetadata
+    from pydantic import Field, ValidationError
+    from starlette.websockets import WebSocketDisconnect
+    from websockets.exceptions import WebSocketException
+except ImportError as exc:  # one line from the CLI instead of a traceback
+    raise MissingExtraError(f"openenv/Remote-v0 and `cgym serve` need openenv-core ({exc.name} is missing): pip install 'critique-gym[interop]'") from exc
+from envs.registration import make, registered, takes_kwarg
+from envs.toolcall import ToolCall
+
+REMOTE_ENV_ID = "openenv/Remote-v0"
+_SCHEMES = ("http://", "https://", "ws://", "wss://")
+# OpenEnv's client raises RuntimeError for an error message from the server; the rest are the connection's
+_TRANSPORT_ERRORS = (RuntimeError, OSError, TimeoutError, asyncio.TimeoutError, WebSocketException)
+
+
+class RemoteEnvError(CgymError, RuntimeError):
+    """The env server could not be reached, refused a request, or does not speak `cgym serve`."""
+
+
+# -- the wire format ------------------------------------------------------------------------
+class TurnAction(Action):
+    """One assistant turn: tool calls (Hermes `<tool_call>` blocks) or the final answer."""
+
+    text: str = Field(description="The assistant's raw text for this turn")
+
+
+class TurnObservation(Observation):
+    """What the env returns after a reset or a turn: the observation text plus the JSON part of `info`."""
+
+    text: str = Field(default="", description="The env's observation: the task prompt after reset, the tool results after a turn")
+    messages: list[dict[str, Any]] = Field(default_factory=list, description="Chat messages the env added since the last observation")
+    tools: list[dict[str, Any]] = Field(default_factory=list, description="The episode's tool schemas (OpenAI format); sent on reset only")
+    task_id: str | None = Field(default=None, description="The episode's task id")
+    turn: int = Field(default=0, description="Assistant turns taken so far")
+    critique: dict[str, Any] | None = Field(default=None, description="This turn's first critique, if any")
+    truncated: bool = Field(default=False, description="The episode ended at the turn limit (done is True too)")
+    success: bool | None = Field(default=None, description="Whether the episode succeeded (last observation only)")
+    reward_breakdown: dict[str, float] = Field(default_factory=dict, description="Reward per rubric check (last observation only)")
+    checks_passed: dict[str, bool] = Field(default_factory=dict, description="Which rubric checks passed (last observation only)")
+    critiques: list[dict[str, Any]] = Field(default_factory=list, description="Every critique of the episode (last observation only)")
+    episode: dict[str, Any] | None = Field(default=None, description="The finished episode record, see episode_to_dict (last observation only)")
+
+
+def episode_to_dict(episode: Episode) -> dict[str, Any]:
+    """A finished episode as JSON: its turns, calls, results and critiques, and the task's id, prompt and answer."""
+    task = episode.task
+    return _jsonable(
+        {
+            "task": {"id": getattr(task, "id", ""), "prompt": getattr(task, "prompt", ""), "ground_truth": getattr(task, "ground_truth", "")},
+            "final_answer": episode.final_answer,
+            "truncated": episode.truncated,
+            "steps": [
+                {
+                    "index": step.index,
+                    "action": step.action,
+                    "final": step.final,
+                    "critique": _critique_dict(step.critique),
+                    "calls": [asdict(call) for call in step.calls],
+                    "results": [{"call": asdict(r.call), "ok": r.ok, "content": r.content, "critique": _critique_dict(r.critique)} for r in step.results],
+                }
+                for step in episode.steps
+            ],
+        }
+    )
+
+
+def episode_from_dict(data: Mapping[str, Any]) -> Episode:
+    """The `Episode` that `episode_to_dict` wrote (its task a `SimpleTask`; `extras` stay on the server)."""
+    steps = [
+        StepRecord(
+            index=step["index"],
+            action=step["action"],
+            calls=[ToolCall(**call) for call in step["calls"]],
+            results=[ToolResult(ToolCall(**r["call"]), r["ok"], r["content"], _critique(r["critique"])) for r in step["results"]],
+            critique=_critique(step["critique"]),
+            final=step["final"],
+        )
+        for step in data["steps"]
+    ]
+    return Episode(SimpleTask(**data["task"]), steps, final_answer=data["final_answer"], truncated=data["truncated"])
+
+
+def _critique_dict(critique: Critique | None) -> dict[str, Any] | None:
+    return critique.to_dict() if critique is not None else None
+
+
+def _critique(data: Mapping[str, Any] | None) -> Critique | None:
+    return Critique(**data) if data is not None else None
+
+
+def _jsonable(value: Any) -> Any:
+    """`value` as plain JSON (a critique's `expected` / `got` may hold tuples or other objects)."""
+    return json.loads(json.dumps(value, default=str))
+
+
+# -- the server -----------------------------------------------------------------------------
+class ServedEnv(Environment[TurnAction, TurnObservation, State]):
+    """One session's env behind OpenEnv's `Environment` interface (the server builds one per session).
+
+    `reset` takes Gymnasium's `seed` and `options` and, for envs with splits, the client's `split`
+    (the trainer asks for "train", eval for "test"), which rebuilds the env when it changes.
+    """
+
+    SUPPORTS_CONCURRENT_SESSIONS: ClassVar[bool] = True
+
+    def __init__(self, env_id: str, env_kwargs: Mapping[str, Any]) -> None:
+        super().__init__()
+        self.env_id = env_id
+        self._kwargs = dict(env_kwargs)
+        self._env = make(env_id, **self._kwargs)
+        self._sent = 0  # messages already sent to the client
+        self._episode_id: str | None = None
+        self._task_id: str | None = None
+        self._turn = 0
+
+    def reset(self, seed: int | None = None, episode_id: str | None = None, options: dict[str, Any] | None = None, split: str | None = None) -> TurnObservation:
+        if split is not None and split != self._kwargs.get("split") and takes_kwarg(self.env_id, "split"):
+            self._env.close()
+            self._kwargs["split"] = split
+            self._env = make(self.env_id, **self._kwargs)
+        text, info = self._env.reset(seed=seed, options=options)
+        self._sent, self._turn = 0, 0
+        self._episode_id, self._task_id = episode_id or uuid.uuid4().hex, info["task_id"]
+        return self._observe(text, info, tools=info["tools"])
+
+    def step(self, action: TurnAction, timeout_s: float | None = None, **kwargs: Any) -> TurnObservation:
+        text, reward, terminated, truncated, info = self._env.step(action.text)
+        self._turn = info["turn"]
+        observation = self._observe(text, info, reward=reward, done=terminated or truncated, truncated=truncated)
+        if terminated or truncated:
+            observation.success = info["success"]
+            observation.reward_breakdown = info["reward_breakdown"]
+            observation.checks_passed = info["checks_passed"]
+            observation.critiques = _jsonable(info["critiques"])
+            observation.episode = episode_to_dict(info["episode"])
+        return observation
+
+    @property
+    def state(self) -> State:
+        """OpenEnv's state, plus the env id, the task id and the env's turn limit (`max_turns`)."""
+        max_turns = getattr(self._env.unwrapped, "max_turns", None)
+        return State(episode_id=self._episode_id, step_count=self._turn, env_id=self.env_id, task_id=self._task_id, max_turns=max_turns)
+
+    def get_metadata(self) -> EnvironmentMetadata:
+        spec = registered().get(self.env_id)
+        return EnvironmentMetadata(name=self.env_id, description=spec.description if spec else self.env_id, version="critique-gym")
+
+    def close(self) -> None:
+        self._env.close()
+
+    def _observe(self, text: str, info: dict[str, Any], **fields: Any) -> TurnObservation:
+        messages = info["messages"][self._sent :]
+        self._sent = len(info["messages"])
+        return TurnObservation(text=text, messages=messages, task_id=info["task_id"], turn=info["turn"], critique=_jsonable(info["critique"]), **fields)
+
+
+def build_app(env_id: str, *, env_kwargs: Mapping[str, Any] | None = None, max_sessions: int = 64, session_timeout_s: float | None = None) -> Any:
+    """A FastAPI app serving `env_id` over OpenEnv's HTTP/WebSocket protocol (its `HTTPEnvServer` is `app.state.env_server`).
+
+    The env is built once here, so a bad id or kwarg fails before anything listens.
+    """
+    from fastapi import FastAPI
+
+    kwargs = dict(env_kwargs or {})
+    make(env_id, **kwargs).close()
+    config = ConcurrencyConfig(max_concurrent_envs=max_sessions, session_timeout=session_timeout_s)
+    server = HTTPEnvServer(functools.partial(ServedEnv, env_id, kwargs), TurnAction, TurnObservation, concurrency_config=config)
+    app = FastAPI(title=f"critique-gym: {env_id}", description=f"{env_id} {json.dumps(kwargs)} as an OpenEnv environment; sessions on /ws")
+    server.register_routes(app, mode=ServerMode.PRODUCTION)  # no per-request /reset, /step: a fresh env each call cannot hold an episode
+    app.add_middleware(_ClosedByClient)
+    app.state.env_server = server
+    return app
+
+
+def serve(app: Any, sock: socket.socket) -> None:
+    """Serve `app` (from `build_app`) on the bound `sock` until interrupted (`cgym serve`)."""
+    import uvicorn
+
+    uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
+
+
+class _ClosedByClient:
+    """ASGI middleware: OpenEnv's /ws handler closes a socket the client has already closed, and
+    Starlette raises; the session is gone by then, so end the connection quietly instead of logging."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "websocket":
+            return await self.app(scope, receive, send)
+        with contextlib.suppress(WebSocketDisconnect):
+            await self.app(scope, receive, send)
+
+
+# -- the client -----------------------------------------------------------------------------
+class _TurnClient(EnvClient[TurnAction, TurnObservation, State]):
+    """OpenEnv's WebSocket client, typed for `cgym serve`."""
+
+    def _step_payload(self, action: TurnAction) -> dict[str, Any]:
+        return action.model_dump()
+
+    def _parse_result(self, payload: dict[str, Any]) -> StepResult[TurnObservation]:
+        observation = TurnObservation.model_validate({**payload.get("observation", {}), "reward": payload.get("reward"), "done": payload.get("done", False)})
+        return StepResult(observation, observation.reward, observation.done)
+
+    def _parse_state(self, payload: dict[str, Any]) -> State:
+        return State.model_validate(payload)
+
+
+class RemoteEnv(gym.Env[str, str]):
+    """An env served by `cgym serve` (OpenEnv), behind the same Gymnasium contract as the local env.
+
+    Args:
+        url: the server's address, e.g. "http://127.0.0.1:8000" (ws:// works too).
+        split: "train" or "test", for served envs that have splits (sent with every reset).
+        render_mode: None or "ansi" (the transcript so far).
+        timeout_s: how long to wait for the server's answer to one reset or step.
+
+    Holds one server session (one env instance on the server) from construction to `close()`.
+    """
+
+    metadata: ClassVar[dict[str, Any]] = {"render_modes": ["ansi"], "render_fps": 1}
+
+    def __init__(self, url: str, *, split: str | None = None, render_mode: str | None = None, timeout_s: float = 60.0) -> None:
+        if not isinstance(url, str) or not url.startswith(_SCHEMES):
+            raise InvalidEnvKwargError(
+                f"url={url!r} is not the address of a `cgym serve` server; give one starting with {' or '.join(_SCHEMES)}, e.g. 'http://127.0.0.1:8000'"
+            )
+        if render_mode is not None:
+            check_choice("render_mode", render_mode, self.metadata["render_modes"])
+        self.url = url.rstrip("/")
+        self.split = split
+        self.render_mode = render_mode
+        self.observation_space = Text(max_length=MAX_OBSERVATION_CHARS, min_length=0, charset=CHARSET)
+        self.action_space = Text(max_length=MAX_ACTION_CHARS, min_length=0, charset=CHARSET)
+        self._messages: list[dict[str, Any]] = []
+        self._tools: list[dict[str, Any]] = []
+        self._task: SimpleTask | None = None
+        self._done = True
+        self._client: Any = _TurnClient(base_url=self.url, message_timeout_s=timeout_s).sync()
+        self.max_turns: int = self._connect()
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
+        super().reset(seed=seed)
+        request = {"seed": None if seed is None else int(seed), "options": options, "split": self.split}
+        observation = self._request("reset", self._client.reset, **{k: v for k, v in request.items() if v is not None}).observation
+        self._messages = list(observation.messages)
+        self._tools = observation.tools
+        self._task = SimpleTask(observation.task_id or "", observation.text)
+        self._done = False
+        return observation.text, self._info(observation)
+
+    def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        if self._done:
+            raise ResetNeeded("call reset() before step(), and again after an episode ends")
+        text = action if isinstance(action, str) else str(action)
+        observation = self._request("step", self._client.step, TurnAction(text=text)).observation
+        self._messages.extend(observation.messages)
+        info = self._info(observation)
+        if observation.done:
+            self._done = True
+            info.update(
+                success=bool(observation.success),
+                reward_breakdown=observation.reward_breakdown,
+                checks_passed=observation.checks_passed,
+                critiques=observation.critiques,
+                episode=episode_from_dict(observation.episode) if observation.episode is not None else None,
+            )
+        return observation.text, float(observation.reward or 0.0), observation.done and not observation.truncated, observation.truncated, info
+
+    def render(self) -> str | None:
+        if self.render_mode != "ansi":
+            return None
+        return "\n\n".join(f"[{m['role']}] {m['content']}" for m in self._messages)
+
+    def close(self) -> None:
+        """End the server session (the server closes its env); safe to call twice."""
+        client, self._client = self._client, None
+        if client is not None:
+            with contextlib.suppress(*_TRANSPORT_ERRORS):
+                client.close()
+        super().close()
+
+    def _info(self, observation: TurnObservation) -> dict[str, Any]:
+        return {
+            "messages": list(self._messages),
+            "tools": self._tools,
+            "critique": observation.critique,
+            "turn": observation.turn,
+            "task_id": observation.task_id,
+            "task": self._task,
+        }
+
+    def _connect(self) -> int:
+        """Open the session; returns the served env's turn limit (the trainer sizes its token budget by it)."""
+        try:
+            self._request("connect to", self._client.connect)
+            state = self._request("read the state of", self._client.state)
+            if not isinstance(getattr(state, "max_turns", None), int):
+                raise RemoteEnvError(f"{self.url} is an OpenEnv server, but not `cgym serve`: its state has no max_turns")
+        except RemoteEnvError:
+            self.close()
+            raise
+        return state.max_turns
+
+    def _request(self, what: str, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run one client call; a transport failure or a server-side error becomes a `RemoteEnvError`."""
+        if self._client is None:
+            raise RemoteEnvError(f"this RemoteEnv ({self.url}) is closed; make a new one")
+        try:
+            result = call(*args, **kwargs)
+        except ValidationError as exc:
+            raise RemoteEnvError(
+                f"{self.url} answered {what} with something other than a `cgym serve` observation (another OpenEnv env?): {exc.error_count()} bad fields"
+            ) from None
+        except _TRANSPORT_ERRORS as exc:
+            raise RemoteEnvError(f"could not {what} the env server at {self.url}: {exc or type(exc).__name__}") from None
+        return result

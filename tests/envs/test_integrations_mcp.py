@@ -1,0 +1,103 @@
+"""`cgym serve ENV --mcp`: one episode over MCP, driven by the `mcp` SDK's own client over stdio.
+
+Scripted agents play locally; their tool calls and final answer are replayed as MCP tool calls
+(each of their turns makes one call, so the turns line up one to one).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+pytest.importorskip("mcp")
+
+import anyio
+from mcp import ClientSession, StdioServerParameters, stdio_client
+
+import envs
+from agents.episodes import EpisodeResult, run_episodes
+from agents.scripted import ScriptedPolicy
+from envs.integrations.mcp import ANSWER_TOOL, RESULT_URI, TASK_PROMPT
+from envs.toolcall import parse_turn
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV = "cgym/ApiReport-v0"
+SEED = 3
+T = TypeVar("T")
+
+
+@asynccontextmanager
+async def mcp_session(env_kwargs: dict[str, Any]) -> AsyncIterator[ClientSession]:
+    args = ["-m", "cgym", "serve", ENV, "--mcp", "--seed", str(SEED), "--env-kwargs", json.dumps(env_kwargs)]
+    async with stdio_client(StdioServerParameters(command=sys.executable, args=args, cwd=ROOT)) as (read, write), ClientSession(read, write) as session:
+        await session.initialize()
+        yield session
+
+
+def with_session(env_kwargs: dict[str, Any], play: Callable[[ClientSession], Awaitable[T]]) -> T:
+    async def run() -> T:
+        async with mcp_session(env_kwargs) as session:
+            return await play(session)
+
+    return anyio.run(run)
+
+
+async def result(session: ClientSession) -> dict[str, Any]:
+    read = await session.read_resource(RESULT_URI)
+    return json.loads(read.contents[0].text)
+
+
+def local(agent: str, env_kwargs: dict[str, Any]) -> EpisodeResult:
+    return run_episodes(lambda: envs.make(ENV, **env_kwargs), ScriptedPolicy(agent), [SEED])[0]
+
+
+@pytest.mark.parametrize("agent", ["oracle", "missing_argument"])
+def test_a_scripted_agent_scores_over_mcp_as_it_does_locally(agent: str) -> None:
+    kwargs = {"difficulty": "medium"}
+    here = local(agent, kwargs)
+    *tool_turns, answer = [t.text for t in here.turns]
+    calls = [call for text in tool_turns for call in parse_turn(text).calls]
+
+    async def play(session: ClientSession) -> dict[str, Any]:
+        tools = (await session.list_tools()).tools
+        prompt = await session.get_prompt(TASK_PROMPT)
+        errors = [(await session.call_tool(call.name, call.arguments)).is_error for call in calls]
+        ended = await session.call_tool(ANSWER_TOOL, {"answer": answer})
+        return {"tools": tools, "prompt": prompt.messages[0].content.text, "errors": errors, "ended": ended, "result": await result(session)}
+
+    got = with_session(kwargs, play)
+    assert [(t.name, t.input_schema) for t in got["tools"]][:-1] == [(s["function"]["name"], s["function"]["parameters"]) for s in here.conversation.tools]
+    assert got["tools"][-1].name == ANSWER_TOOL
+    assert got["prompt"] == here.conversation.messages[1]["content"]
+    assert got["errors"] == [r.critique is not None for r in here.record.results]  # a critiqued call is an MCP tool error
+    assert not got["ended"].is_error and RESULT_URI in got["ended"].content[0].text
+    out = got["result"]
+    assert (out["done"], out["reward"], out["success"], out["truncated"]) == (True, here.reward, here.success, here.truncated)
+    assert (out["reward_breakdown"], out["checks_passed"], out["critiques"]) == (here.breakdown, here.passed, here.critiques)
+    assert out["critique_text"] == {style: here.critique(style) for style in ("indicative", "ground_truth", "step")}
+
+
+def test_an_episode_ends_once_and_says_why() -> None:
+    async def play(session: ClientSession) -> list[Any]:
+        before = await result(session)
+        disguised = await session.call_tool(ANSWER_TOOL, {"answer": '<tool_call>{"name": "get_token", "arguments": {}}</tool_call>'})
+        unknown = await session.call_tool("no_such_tool", {})
+        last = await session.call_tool("search_customers", {"name": "x"})
+        after_end = await session.call_tool("search_customers", {"name": "x"})
+        return [before, disguised, unknown, last, after_end, await result(session)]
+
+    before, disguised, unknown, last, after_end, out = with_session({"difficulty": "easy", "max_turns": 2}, play)
+    assert (before["done"], before["turn"], before["max_turns"]) == (False, 0, 2)
+    assert disguised.is_error and "reads as a tool call" in disguised.content[0].text  # refused without taking a turn
+    assert unknown.is_error and "unknown_tool" in unknown.content[0].text
+    assert "turn limit (2)" in last.content[0].text
+    assert after_end.is_error and "episode is over" in after_end.content[0].text
+    assert (out["done"], out["turns"], out["truncated"], out["success"]) == (True, 2, True, False)
+    assert [c["code"] for c in out["critiques"]][0] == "unknown_tool" and "no_final_answer" in [c["code"] for c in out["critiques"]]
+    assert out["critique_text"]["step"].endswith("Conclusion: incorrect [END]")

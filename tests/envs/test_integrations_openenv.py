@@ -1,0 +1,191 @@
+"""`cgym serve` over OpenEnv, and `openenv/Remote-v0`: a served env scores the same turns as the local one.
+
+The server runs in a thread on a loopback port. Scripted agents need the typed task, which stays on
+the server, so each agent plays locally and its turns are replayed against the served env.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import closing
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+pytest.importorskip("openenv.core")
+
+import httpx
+import uvicorn
+from gymnasium.utils.env_checker import check_env
+from websockets.sync.client import connect
+
+import envs
+from agents.base import Conversation, Turn
+from agents.episodes import EpisodeResult, run_episodes
+from agents.scripted import ScriptedPolicy
+from cgym.cli import main
+from envs.core import ResetNeeded
+from envs.errors import InvalidEnvKwargError
+from envs.integrations.openenv import REMOTE_ENV_ID, RemoteEnvError, build_app
+from envs.registration import takes_kwarg
+
+ENV = "cgym/ApiReport-v0"
+KWARGS = {"difficulty": "medium"}
+SEEDS = [0, 1, 2]
+
+
+@dataclass
+class Served:
+    url: str
+    server: Any  # openenv's HTTPEnvServer
+
+    def sessions_become(self, n: int, timeout_s: float = 10.0) -> int:
+        """The server's session count once it equals `n` (or whatever it is at the timeout)."""
+        deadline = time.monotonic() + timeout_s
+        while self.server.active_sessions != n and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return self.server.active_sessions
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[Served]:
+    app = build_app(ENV, env_kwargs=KWARGS, max_sessions=8)
+    sock = socket.create_server(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert server.started, "the OpenEnv server did not start"
+    yield Served(f"http://127.0.0.1:{sock.getsockname()[1]}", app.state.env_server)
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+class Replay:
+    """Plays recorded turns again: the n-th turn of the episode whose task has that id."""
+
+    name = "replay"
+
+    def __init__(self, results: Sequence[EpisodeResult]) -> None:
+        self.turns = {r.task_id: [t.text for t in r.turns] for r in results}
+
+    def act(self, batch: Sequence[Conversation]) -> list[Turn]:
+        return [Turn(self.turns[conv.task.id][sum(m["role"] == "assistant" for m in conv.messages)]) for conv in batch]
+
+
+def local_results(agent: str) -> list[EpisodeResult]:
+    return run_episodes(lambda: envs.make(ENV, split="test", **KWARGS), ScriptedPolicy(agent), SEEDS)
+
+
+def remote(served: Served, **kwargs: Any) -> Any:
+    return envs.make(REMOTE_ENV_ID, url=served.url, split="test", **kwargs)
+
+
+@pytest.mark.parametrize("agent", ["oracle", "wrong_field", "missing_argument"])
+def test_replayed_turns_score_as_they_do_locally(served: Served, agent: str) -> None:
+    local = local_results(agent)
+    remote_results = run_episodes(lambda: remote(served), Replay(local), SEEDS, batch_size=len(SEEDS))  # one session each, at once
+    for here, there in zip(local, remote_results, strict=True):
+        assert (there.task_id, there.reward, there.success, there.truncated) == (here.task_id, here.reward, here.success, here.truncated)
+        assert (there.breakdown, there.passed, there.critiques) == (here.breakdown, here.passed, here.critiques)
+        assert there.conversation.messages == here.conversation.messages
+        for style in ("indicative", "ground_truth", "step"):
+            assert there.critique(style) == here.critique(style)
+    assert agent == "oracle" or any(r.critiques for r in remote_results), "a flawed agent's critiques must cross the wire"
+    assert served.sessions_become(0) == 0
+
+
+def test_two_sessions_play_at_once_and_each_has_its_own_env(served: Served) -> None:
+    local = {r.seed: r for r in local_results("oracle")[:2]}
+    first, second = remote(served), remote(served)
+    assert served.sessions_become(2) == 2
+    (_, info_a), (_, info_b) = first.reset(seed=0), second.reset(seed=1)
+    assert (info_a["task_id"], info_b["task_id"]) == (local[0].task_id, local[1].task_id)
+    rewards: dict[int, float] = {}
+    for turn in range(max(len(r.turns) for r in local.values())):  # interleave the two episodes turn by turn
+        for seed, env in ((0, first), (1, second)):
+            if turn < len(local[seed].turns):
+                _, reward, terminated, truncated, _ = env.step(local[seed].turns[turn].text)
+                if terminated or truncated:
+                    rewards[seed] = reward
+    assert rewards == {0: local[0].reward, 1: local[1].reward}
+    first.close()
+    second.close()
+    assert served.sessions_become(0) == 0
+
+
+def test_a_dropped_client_frees_its_session(served: Served) -> None:
+    with connect(served.url.replace("http://", "ws://") + "/ws") as ws:
+        ws.send(json.dumps({"type": "reset", "data": {"seed": 0}}))
+        assert json.loads(ws.recv(timeout=10))["type"] == "observation"
+        assert served.sessions_become(1) == 1
+        ws.socket.shutdown(socket.SHUT_RDWR)  # gone without a close message or a close frame
+        assert served.sessions_become(0) == 0
+
+
+def test_remote_env_passes_gymnasiums_check_env(served: Served) -> None:
+    env = remote(served)
+    check_env(env.unwrapped)
+    env.close()
+    assert served.sessions_become(0) == 0
+
+
+def test_split_reaches_the_server(served: Served) -> None:
+    def task_id(env: Any) -> str:
+        _, info = env.reset(seed=0)
+        env.close()
+        return info["task_id"]
+
+    local_train = task_id(envs.make(ENV, split="train", **KWARGS))
+    assert task_id(envs.make(REMOTE_ENV_ID, url=served.url, split="train")) == local_train
+    assert task_id(remote(served)) != local_train
+    with closing(remote(served)) as there, closing(envs.make(ENV, **KWARGS)) as here:
+        assert there.unwrapped.max_turns == here.unwrapped.max_turns  # the trainer sizes its token budget by it
+    assert takes_kwarg(REMOTE_ENV_ID, "split")  # so `cgym eval` and `cgym train` pass theirs
+
+
+def test_episodes_run_over_websocket_sessions_only(served: Served) -> None:
+    assert httpx.get(f"{served.url}/health").json() == {"status": "healthy"}
+    assert httpx.get(f"{served.url}/metadata").json()["name"] == ENV
+    assert httpx.post(f"{served.url}/step", json={"action": {"text": "hi"}}).status_code == 404  # a fresh env per request holds no episode
+
+
+def test_errors_name_the_cause(served: Served) -> None:
+    with pytest.raises(InvalidEnvKwargError, match="url='127.0.0.1:8000'"):
+        envs.make(REMOTE_ENV_ID, url="127.0.0.1:8000")
+    with socket.create_server(("127.0.0.1", 0)) as closed:
+        port = closed.getsockname()[1]
+    threads = threading.active_count()
+    with pytest.raises(RemoteEnvError, match=f"could not connect to the env server at http://127.0.0.1:{port}"):
+        envs.make(REMOTE_ENV_ID, url=f"http://127.0.0.1:{port}")
+    assert threading.active_count() == threads  # the client's event-loop thread is stopped too
+    env = envs.make(REMOTE_ENV_ID, url=served.url, split="val")
+    with pytest.raises(ResetNeeded):
+        env.unwrapped.step("hello")
+    with pytest.raises(RemoteEnvError, match="split='val'"):
+        env.reset(seed=0)
+    env.close()
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        pytest.param(["serve", ENV, "--seed", "1"], "--seed is only used with --mcp", id="mcp-flag-without-mcp"),
+        pytest.param(["serve", ENV, "--mcp", "--port", "1"], "--port is not used with --mcp", id="openenv-flag-with-mcp"),
+        pytest.param(["serve", ENV, "--port", "{busy}"], "cannot listen on 127.0.0.1:", id="port-in-use"),
+        pytest.param(["serve", "cgym/ApiReprt-v0"], "Did you mean 'cgym/ApiReport-v0'", id="unknown-env"),
+    ],
+)
+def test_serve_errors_are_one_line(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        code = main([a.replace("{busy}", str(busy.getsockname()[1])) for a in argv])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert message in err and err.count("\n") == 1
