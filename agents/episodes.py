@@ -1,20 +1,25 @@
 """Run a policy on many episodes at once: every active conversation is one row of a batch.
 
-All live episodes take their turn together (one `policy.act` call), envs step, finished
-episodes leave and new seeds take their slots. Used by eval, audit, compare and the trainer.
+All live episodes take their turn together (one `policy.act` call), envs step (one after
+another, or concurrently with `workers`), finished episodes leave and new seeds take their
+slots. Used by eval, audit, compare and the trainer.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any
+from functools import partial
+from typing import Any, TypeVar
 
 import gymnasium as gym
 
 from agents.base import Conversation, Policy, Turn
 from envs.critique import Critique, CritiqueStyle, render
 from envs.episode import Episode
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -67,24 +72,58 @@ class _Slot:
     turns: list[Turn]
 
 
+class _Lanes:
+    """Runs calls on envs concurrently, each env pinned to one of `workers` threads for the life of
+    the lanes; with one worker, inline on the calling thread (no threads at all).
+
+    Pinning keeps what an env made on its thread (a sqlite3 connection) on that thread, and one
+    env's calls run one after another on its lane, so no env is ever called from two threads at once.
+    """
+
+    def __init__(self, workers: int) -> None:
+        self._threads = [ThreadPoolExecutor(1, thread_name_prefix=f"cgym-env-{i}") for i in range(workers)] if workers > 1 else []
+        self._lane_of: dict[int, ThreadPoolExecutor] = {}
+
+    def map(self, calls: Sequence[tuple[gym.Env, Callable[[], T]]]) -> list[T]:
+        """The results of `calls`, in their order; the first call (in that order) to fail raises."""
+        if not self._threads:
+            return [call() for _, call in calls]
+        futures = [self._lane(env).submit(call) for env, call in calls]
+        wait(futures)  # none still running on an env once this returns, even when one raised
+        return [future.result() for future in futures]
+
+    def _lane(self, env: gym.Env) -> ThreadPoolExecutor:
+        return self._lane_of.setdefault(id(env), self._threads[len(self._lane_of) % len(self._threads)])
+
+    def close(self) -> None:
+        for thread in self._threads:
+            thread.shutdown()
+
+
 def run_episodes(
     make_env: Callable[[], gym.Env],
     policy: Policy,
     seeds: Iterable[int],
     *,
     batch_size: int = 32,
+    workers: int = 1,
     on_done: Callable[[EpisodeResult], None] | None = None,
     conversation_for: Callable[[int, Conversation], Conversation] | None = None,
     pool: list[gym.Env] | None = None,
 ) -> list[EpisodeResult]:
     """Play one episode per seed; results come back in the order of `seeds`.
 
+    `workers` > 1 resets and steps the live envs concurrently on that many threads, each env
+    pinned to one of them: worth it when steps wait on I/O (an HTTP API with latency), not for
+    CPU-bound envs under the GIL. The pinning lasts this call (a `pool` env may move thread between
+    calls). Results and the order of `on_done` are those of `workers=1`.
     `conversation_for(i, conv)` may replace the opening conversation of the i-th episode (e.g.
     with a refinement prompt); the env still scores the episode it started from that seed.
     `pool` reuses (and grows) a caller-owned list of envs instead of building new ones.
     """
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers must be an int >= 1 (1 steps the envs one after another), got {workers!r}")
     pending = list(seeds)
-    order = {i: s for i, s in enumerate(pending)}
     queue = list(enumerate(pending))[::-1]
     needed = min(batch_size, len(pending))
     if pool is not None:
@@ -93,32 +132,38 @@ def run_episodes(
     free = list(envs)
     live: dict[int, _Slot] = {}
     results: dict[int, EpisodeResult] = {}
-    while queue or live:
-        while queue and free:
-            index, seed = queue.pop()
-            env = free.pop()
-            _, info = env.reset(seed=seed)
-            env_id = env.spec.id if env.spec is not None else None
-            conv = Conversation(list(info["messages"]), info["tools"], task=info.get("task"), env_id=env_id, env_seen=len(info["messages"]))
-            live[index] = _Slot(env, seed, conversation_for(index, conv) if conversation_for else conv, [])
-        keys = list(live)
-        turns = policy.act([live[k].conversation for k in keys])
-        for key, turn in zip(keys, turns):
-            slot = live[key]
-            slot.turns.append(turn)
-            _, reward, terminated, truncated, info = slot.env.step(turn.text)
-            slot.conversation.extend_from_env(info["messages"])
-            if terminated or truncated:
-                result = _result(slot, reward, bool(truncated), info)
-                results[key] = result
-                del live[key]
-                free.append(slot.env)
-                if on_done is not None:
-                    on_done(result)
-    if pool is None:
-        for env in envs:
-            env.close()
-    return [results[i] for i in sorted(order)]
+    lanes = _Lanes(min(workers, len(envs)))
+    try:
+        while queue or live:
+            starts = [(*queue.pop(), free.pop()) for _ in range(min(len(queue), len(free)))]
+            opened = lanes.map([(env, partial(env.reset, seed=seed)) for _, seed, env in starts])
+            for (index, seed, env), (_, info) in zip(starts, opened):
+                conv = _opening(env, info)
+                live[index] = _Slot(env, seed, conversation_for(index, conv) if conversation_for else conv, [])
+            keys = list(live)
+            turns = policy.act([live[k].conversation for k in keys])
+            stepped = lanes.map([(live[k].env, partial(live[k].env.step, turn.text)) for k, turn in zip(keys, turns)])
+            for key, turn, (_, reward, terminated, truncated, info) in zip(keys, turns, stepped):
+                slot = live[key]
+                slot.turns.append(turn)
+                slot.conversation.extend_from_env(info["messages"])
+                if terminated or truncated:
+                    result = _result(slot, reward, bool(truncated), info)
+                    results[key] = result
+                    del live[key]
+                    free.append(slot.env)
+                    if on_done is not None:
+                        on_done(result)
+        if pool is None:
+            lanes.map([(env, env.close) for env in envs])
+    finally:
+        lanes.close()
+    return [results[i] for i in range(len(pending))]
+
+
+def _opening(env: gym.Env, info: dict[str, Any]) -> Conversation:
+    env_id = env.spec.id if env.spec is not None else None
+    return Conversation(list(info["messages"]), info["tools"], task=info.get("task"), env_id=env_id, env_seen=len(info["messages"]))
 
 
 def _result(slot: _Slot, reward: float, truncated: bool, info: dict[str, Any]) -> EpisodeResult:

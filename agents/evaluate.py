@@ -31,9 +31,11 @@ class EvalConfig:
     """Tries per task, for pass@k."""
     batch_size: int = 32
     """Episodes run at once."""
+    workers: int = 1
+    """Threads stepping the batch's envs (pays when tools wait on I/O; 1: inline)."""
 
     def __post_init__(self) -> None:
-        for name in ("episodes", "samples", "batch_size"):
+        for name in ("episodes", "samples", "batch_size", "workers"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.seed < 0:
@@ -48,7 +50,7 @@ class EvalConfig:
 def evaluate(policy: Policy, config: EvalConfig, *, on_done: Callable[[EpisodeResult], None] | None = None) -> tuple[dict[str, Any], list[EpisodeResult]]:
     """Run the episodes and return the DESIGN.md eval summary plus the raw results."""
     start = time.perf_counter()
-    results = run_episodes(lambda: make(config.env_id, **config.env_kwargs), policy, config.seeds, batch_size=config.batch_size, on_done=on_done)
+    results = run_episodes(lambda: make(config.env_id, **config.env_kwargs), policy, config.seeds, batch_size=config.batch_size, on_done=on_done, workers=config.workers)
     summary = summarize(results, samples=config.samples)
     summary.update(env=config.env_id, env_kwargs=config.env_kwargs, policy=getattr(policy, "name", type(policy).__name__), seed=config.seed, wall_s=round(time.perf_counter() - start, 3))
     return summary, results

@@ -38,6 +38,8 @@ class ApiReportEnv(AgentEnv):
         split: "train" or "test"; their shops are disjoint.
         max_turns: turn limit (default by difficulty: 4 / 6 / 16).
         faults: share of API requests that fail transiently (default 0, or 0.1 on hard).
+        latency_s: seconds every API request waits, as a real HTTP API's round trip would
+            (default 0: instant); `run_episodes(..., workers=N)` overlaps these waits.
         rubric: replace the default rubric (same check names recommended).
     """
 
@@ -50,6 +52,7 @@ class ApiReportEnv(AgentEnv):
         split: Split = "train",
         max_turns: int | None = None,
         faults: float | None = None,
+        latency_s: float = 0.0,
         rubric: Rubric | None = None,
         render_mode: str | None = None,
     ) -> None:
@@ -58,9 +61,12 @@ class ApiReportEnv(AgentEnv):
         fault_rate = DEFAULT_FAULTS[difficulty] if faults is None else faults
         if isinstance(fault_rate, bool) or not isinstance(fault_rate, (int, float)) or not 0.0 <= fault_rate <= 1.0:
             raise ValueError(f"faults must be a number in [0, 1], got {faults!r}")
+        if isinstance(latency_s, bool) or not isinstance(latency_s, (int, float)) or not 0.0 <= latency_s <= self.turn_time_s:
+            raise ValueError(f"latency_s must be a number of seconds in [0, {self.turn_time_s:g}] (one turn's time budget), got {latency_s!r}")
         self.difficulty: Difficulty = difficulty
         self.split: Split = split
         self.faults = float(fault_rate)
+        self.latency_s = float(latency_s)
         self.rubric = rubric or default_rubric()
         self._client: httpx.Client | None = None
         super().__init__(max_turns=DEFAULT_MAX_TURNS[difficulty] if max_turns is None else max_turns, render_mode=render_mode)
@@ -71,7 +77,7 @@ class ApiReportEnv(AgentEnv):
 
     def begin_episode(self, task: ReportTask) -> None:  # type: ignore[override]
         plan = FaultPlan(self.faults, seed=task.shop_seed) if self.faults > 0 else None
-        service = ShopService(generate_shop(task.shop_seed), faults=plan, require_auth=task.require_auth, credentials=task.credentials)
+        service = ShopService(generate_shop(task.shop_seed), faults=plan, require_auth=task.require_auth, credentials=task.credentials, latency_s=self.latency_s)
         if self._client is not None:
             self._client.close()
         self._client = service.client(timeout=5.0)

@@ -17,8 +17,9 @@ Endpoints (paths relative to `BASE_URL`; JSON in and out; errors are
     GET  /products                  ?page=1&per_page=5
     GET  /products/{id}
 
-Every request first goes through the fault plan (auth included), then the auth check.
-A service is stateful (fault plan, request log) and meant for one episode on one thread.
+Every request first waits `latency_s` (a real API's round trip), then goes through the fault
+plan (auth included), then the auth check. A service is stateful (fault plan, request log)
+and meant for one episode on one thread.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import hashlib
 import json
 import math
 import re
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, NamedTuple, Protocol
@@ -94,7 +96,9 @@ class ShopService:
     """The shop API over `data`, served by one `respx.MockRouter` (`self.router`).
 
     `faults` (optional) decides which requests fail; with `require_auth`, every endpoint but
-    `POST /auth/token` needs `Authorization: Bearer <token>`. `requests` logs every request.
+    `POST /auth/token` needs `Authorization: Bearer <token>`. `latency_s` is slept (the GIL
+    released) before every request is served, so clients that wait on several services at once
+    behave as they would against a remote API. `requests` logs every request.
     """
 
     base_url: str = BASE_URL
@@ -106,8 +110,12 @@ class ShopService:
         faults: FaultPlan | None = None,
         require_auth: bool = False,
         credentials: tuple[str, str] | None = None,
+        latency_s: float = 0.0,
     ) -> None:
+        if not latency_s >= 0.0:  # also refuses NaN
+            raise ValueError(f"latency_s must be a number of seconds >= 0, got {latency_s!r}")
         self.data = data
+        self.latency_s = float(latency_s)
         self.faults = faults
         self.require_auth = require_auth
         self.credentials = credentials or default_credentials(data.seed)
@@ -135,7 +143,9 @@ class ShopService:
         return router
 
     def _handle(self, request: httpx.Request) -> httpx.Response:
-        """Serve one request: the fault plan first, then auth and the endpoint; log it."""
+        """Serve one request: the latency, the fault plan, then auth and the endpoint; log it."""
+        if self.latency_s:
+            time.sleep(self.latency_s)
         path = request.url.path[len(_BASE_PATH) :] or "/"
 
         def serve() -> httpx.Response:
@@ -258,17 +268,22 @@ def mocked(
     faults: float = 0.0,
     require_auth: bool = False,
     data: ShopData | None = None,
+    latency_s: float = 0.0,
 ) -> Iterator[ShopService]:
     """Serve a shop built from `seed` (or `data`) to all httpx code inside the block.
 
-    `faults` is the fault rate (0..1) of a `FaultPlan` seeded with `seed`. Example::
+    `faults` is the fault rate (0..1) of a `FaultPlan` seeded with `seed`; `latency_s` delays
+    every request. Example::
 
         with mocked(seed=1) as api:
             httpx.get(f"{api.base_url}/customers", params={"name": "Keller"})
     """
     plan = FaultPlan(faults, seed)
     service = ShopService(
-        data if data is not None else generate_shop(seed), faults=plan, require_auth=require_auth
+        data if data is not None else generate_shop(seed),
+        faults=plan,
+        require_auth=require_auth,
+        latency_s=latency_s,
     )
     with service.router:
         yield service

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import time
 import warnings
 
 import gymnasium as gym
@@ -200,3 +201,20 @@ def test_the_task_carries_what_the_prompt_states(difficulty: str) -> None:
     user, password = task.credentials
     assert task.require_auth is (difficulty == "hard")
     assert (f'username "{user}" and password "{password}"' in task.prompt) is task.require_auth
+
+
+def test_latency_slows_each_request_and_changes_nothing_else() -> None:
+    kwargs = {"difficulty": "hard", "split": "test", "faults": 0.2}
+    instant = play("oracle", range(3), **kwargs)
+    start = time.perf_counter()
+    delayed = play("oracle", range(3), latency_s=0.01, **kwargs)
+    elapsed = time.perf_counter() - start
+    assert [r.conversation.messages for r in delayed] == [r.conversation.messages for r in instant]
+    requests = sum(len(r.record.extras["calls"]) for r in delayed if r.record)
+    assert requests >= 9 and elapsed >= requests * 0.01
+
+
+@pytest.mark.parametrize("latency_s", [-0.01, True, "0.02", 5.0], ids=["negative", "bool", "string", "past-turn-budget"])
+def test_bad_latency_is_rejected(latency_s: object) -> None:
+    with pytest.raises(ValueError, match=r"latency_s must be a number of seconds in \[0, 0.8\]"):
+        envs.make(ENV, latency_s=latency_s)

@@ -459,3 +459,38 @@ def test_mock_apis_imports_neither_torch_nor_envs() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root
     )
     assert out.stdout.strip() == "[]"
+
+
+def test_latency_delays_every_request_faulted_or_not(data: ShopData) -> None:
+    service = ShopService(data, faults=mock_apis.FaultPlan(1.0, seed=0), latency_s=0.02)
+    with service.client() as client:
+        start = time.perf_counter()
+        for _ in range(4):  # at rate 1, faults and successes alternate
+            try:
+                client.get(f"/customers/{data.customers[0].id}")
+            except httpx.ReadTimeout:
+                pass
+        elapsed = time.perf_counter() - start
+    assert [r.fault is None for r in service.requests] == [False, True, False, True]
+    assert 4 * 0.02 <= elapsed < 4 * 0.02 + 0.5
+
+
+def test_latency_waits_overlap_across_threads(data: ShopData) -> None:
+    """The wait sleeps with the GIL released, as a real network round trip does."""
+    def fetch() -> None:
+        with ShopService(data, latency_s=0.1).client() as client:
+            client.get("/products")
+
+    threads = [threading.Thread(target=fetch) for _ in range(8)]
+    start = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert time.perf_counter() - start < 0.5  # not 8 * 0.1
+
+
+@pytest.mark.parametrize("latency_s", [-0.1, float("nan")], ids=["negative", "nan"])
+def test_bad_latency_is_rejected(data: ShopData, latency_s: float) -> None:
+    with pytest.raises(ValueError, match="latency_s"):
+        ShopService(data, latency_s=latency_s)

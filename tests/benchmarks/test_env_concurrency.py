@@ -1,0 +1,20 @@
+"""The env-concurrency benchmark: a small run of its CLI writes the JSON it documents."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from benchmarks.env_concurrency import main
+
+
+def test_small_run_writes_rows_per_batch_size_and_concurrency_wins(tmp_path: Path) -> None:
+    out = tmp_path / "env_concurrency.json"
+    main(["--difficulty", "medium", "--latency-ms", "10", "--episodes", "8", "--concurrency", "1", "4", "--note", "test", "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert result["note"] == "test" and result["env_kwargs"] == {"difficulty": "medium", "latency_s": 0.01}
+    one, four = result["rows"]
+    assert (one["concurrent_episodes"], four["concurrent_episodes"]) == (1, 4)
+    assert all(row["same_results"] and row["success_rate"] == 1.0 for row in [*result["rows"], result["zero_latency"]])
+    assert one["requests_per_episode"] >= 2
+    assert four["speedup"] > 1.5  # 4 episodes' 10 ms waits overlap; one core is plenty for that
