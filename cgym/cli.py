@@ -22,13 +22,13 @@ from agents.evaluate import EvalConfig
 from agents.spec import SamplingOptions
 from cgym import commands
 from cgym.commands import UsageError, err_console
-from cgym.options import COUNT, NATURAL, NON_NEGATIVE, POSITIVE, SHARE, TOP_P, add_config_options, bounded, json_object
+from cgym.options import COUNT, NATURAL, NON_NEGATIVE, POSITIVE, SHARE, TOP_P, add_config_options, bounded, field_docs, json_object
 from envs.errors import CgymError
-from trainer.config import TrainConfig
+from trainer.config import TrainConfig, env_kwargs_for
 
 SAMPLING_TYPES = {"temperature": NON_NEGATIVE, "top_p": TOP_P, "max_new_tokens": COUNT}
 POLICY_HELP = "policy spec: scripted:<agent>, hf:<dir-or-hub-name>, openai:<model>@<base_url>, vllm:<name>, py:<module>:<callable>, guarded:<spec>, prompted:<spec>"
-EVAL_TYPES = {"episodes": COUNT, "seed": NATURAL, "samples": COUNT, "batch_size": COUNT}
+EVAL_TYPES = {"episodes": COUNT, "seed": NATURAL, "samples": COUNT, "batch_size": COUNT, "workers": COUNT}
 PORT = bounded(int, lambda v: 0 <= v <= 65535, "in [0, 65535]")
 
 
@@ -67,12 +67,15 @@ def _check_env(args: argparse.Namespace) -> None:
         return
     from envs import make
 
-    try:
-        make(args.env, **args.env_kwargs).close()
-    except CgymError:
-        raise
-    except (TypeError, ValueError) as exc:  # an env constructor's own check of a value
-        raise UsageError(f"{args.env} rejected --env-kwargs {json.dumps(args.env_kwargs)}: {exc}") from None
+    env_ids = args.env if isinstance(args.env, list) else [args.env]  # train's --env repeats
+    for env_id in env_ids:
+        kwargs = env_kwargs_for(args.env_kwargs, env_ids, env_id)
+        try:
+            make(env_id, **kwargs).close()
+        except CgymError:
+            raise
+        except (TypeError, ValueError) as exc:  # an env constructor's own check of a value
+            raise UsageError(f"{env_id} rejected --env-kwargs {json.dumps(kwargs)}: {exc}") from None
 
 
 # -- parser ---------------------------------------------------------------------------------
@@ -142,11 +145,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=NATURAL, default=0)
     p.set_defaults(func=commands.cmd_sft)
 
-    p = sub.add_parser("train", help="GRPO / Critique-GRPO on an env's train split")
-    _add_env(p)
+    p = sub.add_parser("train", help="GRPO / Critique-GRPO on an env's train split (torchrun: one process per rank)")
+    p.add_argument("--env", required=True, action="append", help="env to train on; repeat it to mix several in one run")
+    p.add_argument("--env-kwargs", type=json_object, default={}, help=field_docs(TrainConfig)["env_kwargs"])
+    p.add_argument("--env-weights", type=POSITIVE, nargs="+", default=[], metavar="W", help=field_docs(TrainConfig)["env_weights"] + " One per --env, in order.")
     add_config_options(
         p, TrainConfig, flags={"learning_rate": "lr", "time_budget_s": "time-budget"}, types={"out": Path, **SAMPLING_TYPES},
-        required=("model", "out"), skip=("env_id", "env_kwargs", "progress"),
+        required=("model", "out"), skip=("env_id", "envs", "env_weights", "env_kwargs", "progress"),
     )  # fmt: skip
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoints/ (latest)")
     p.set_defaults(func=commands.cmd_train)

@@ -172,12 +172,20 @@ def cmd_sft(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_train(args: argparse.Namespace) -> int:
+def train_config(args: argparse.Namespace) -> Any:
+    """The TrainConfig of `cgym train`: one --env is `env_id`, a repeated one `envs`."""
     from trainer.config import TrainConfig
+
+    envs = {"env_id": args.env[0]} if len(args.env) == 1 else {"envs": tuple(args.env)}
+    return TrainConfig(**config_kwargs(args, TrainConfig) | envs | {"env_weights": tuple(args.env_weights), "out": str(args.out)})
+
+
+def cmd_train(args: argparse.Namespace) -> int:
     from trainer.grpo import train
 
-    config = TrainConfig(**config_kwargs(args, TrainConfig) | {"env_id": args.env, "out": str(args.out)})
-    result = train(config, resume=args.resume, console=console)
+    result = train(train_config(args), resume=args.resume, console=console)
+    if result["rank"]:  # under torchrun, rank 0 reports
+        return 0
     before, after = result["before"], result["after"]
     if before and after:
         console.print(f"test success {before['success_rate']:.1%} -> {after['success_rate']:.1%} in {result['train_time_s']:.0f}s of training")

@@ -22,12 +22,18 @@ CRITIQUE_STYLES = ("none", "indicative", "ground_truth", "step")
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """GRPO / Critique-GRPO on one env. Every field is fixed once parsed."""
+    """GRPO / Critique-GRPO on one env or a mix of envs. Every field is fixed once parsed."""
 
     env_id: str = "cgym/ApiReport-v0"
-    """The env to train on (its train split)."""
+    """The env to train on (its train split), when `envs` is empty."""
+    envs: tuple[str, ...] = ()
+    """Several envs mixed in one run (replaces env_id): each group's env is drawn by `env_weights`."""
+    env_weights: tuple[float, ...] = ()
+    """Relative weight of each of `envs` when drawing a group's env (empty: equal weights)."""
     env_kwargs: dict[str, Any] = field(default_factory=dict)
-    """Extra env kwargs as JSON (difficulty, faults, ...); `split` is always "train"."""
+    """Extra env kwargs as JSON (difficulty, faults, ...) for every env; with several envs, a JSON
+    object keyed by every env id ({"cgym/SqlQuery-v0": {"difficulty": "easy"}, ...}) gives each its
+    own. `split` is set by the trainer."""
     model: str = ""
     """The starting model: smollm2-135m, tiny, a local directory, a .gguf file or a hub name (hf: prefix accepted)."""
     out: str = "runs/grpo"
@@ -98,6 +104,10 @@ class TrainConfig:
     """Stop after this many seconds of training (0: no limit)."""
     seed: int = 0
     """Seeds tasks, sampling and initialisation."""
+    rollout_groups: int = 0
+    """Groups sampled together in one batch, for rollouts and refinements alike (0: all of a
+    process's groups of an env at once). Each batch's sampler is seeded by (seed, step, its first
+    group), so with 1 a run samples the same under any number of torchrun processes."""
     lora_r: int = 0
     """LoRA rank via peft (needs the lora extra; 0: full fine-tuning)."""
     trainable: Trainable = "all"
@@ -116,10 +126,21 @@ class TrainConfig:
             if not ok:
                 raise ConfigError(message)
         _ = self.sampling  # validates temperature, top_p and max_new_tokens
+        self._check_envs()
+
+    def _check_envs(self) -> None:
+        if len(set(self.envs)) != len(self.envs):
+            raise ConfigError(f"envs={list(self.envs)}: an env is listed twice; raise its weight in env_weights instead")
+        if self.env_weights and len(self.env_weights) != len(self.env_ids):
+            raise ConfigError(f"env_weights has {len(self.env_weights)} values for {len(self.env_ids)} envs ({list(self.env_ids)}): give one weight per env")
+        if any(not w > 0 for w in self.env_weights):
+            raise ConfigError(f"env_weights must all be > 0, got {list(self.env_weights)}")
+        if self._per_env_kwargs and (missing := [e for e in self.env_ids if e not in self.env_kwargs]):
+            raise ConfigError(f"env_kwargs is keyed by env id but lacks {missing[0]!r}; give every env an entry (an empty {{}} is fine)")
 
     def _range_checks(self) -> list[tuple[bool, str]]:
         at_least_one = ("steps", "tasks_per_step", "micro_batch_size", "num_iterations", "refine_attempts")
-        at_least_zero = ("task_pool", "eval_episodes", "eval_every", "save_every", "warmup_steps", "seed", "lora_r", "refine_k", "time_budget_s", "weight_decay", "beta", "eval_temperature", "epsilon_low", "epsilon_high")
+        at_least_zero = ("rollout_groups", "task_pool", "eval_episodes", "eval_every", "save_every", "warmup_steps", "seed", "lora_r", "refine_k", "time_budget_s", "weight_decay", "beta", "eval_temperature", "epsilon_low", "epsilon_high")
         return [
             *((getattr(self, n) >= 1, f"{n} must be >= 1, got {getattr(self, n)}") for n in at_least_one),
             *((getattr(self, n) >= 0, f"{n} must be >= 0, got {getattr(self, n)}") for n in at_least_zero),
@@ -140,15 +161,44 @@ class TrainConfig:
         return self.model.removeprefix("hf:")
 
     @property
+    def env_ids(self) -> tuple[str, ...]:
+        """The envs this run trains on, in order (`envs`, or just `env_id`)."""
+        return self.envs or (self.env_id,)
+
+    @property
+    def env_probabilities(self) -> tuple[float, ...]:
+        """`env_weights` normalised to sum to 1 (equal without weights)."""
+        weights = self.env_weights or (1.0,) * len(self.env_ids)
+        return tuple(w / sum(weights) for w in weights)
+
+    @property
+    def _per_env_kwargs(self) -> bool:
+        return keyed_by_env(self.env_kwargs, self.env_ids)
+
+    def kwargs_for(self, env_id: str, split: str) -> dict[str, Any]:
+        """The kwargs `env_id` is built with for `split`."""
+        return {**env_kwargs_for(self.env_kwargs, self.env_ids, env_id), "split": split}
+
+    @property
     def train_env_kwargs(self) -> dict[str, Any]:
-        return {**self.env_kwargs, "split": "train"}
+        return self.kwargs_for(self.env_ids[0], "train")
 
     @property
     def test_env_kwargs(self) -> dict[str, Any]:
-        return {**self.env_kwargs, "split": "test"}
+        return self.kwargs_for(self.env_ids[0], "test")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def keyed_by_env(env_kwargs: dict[str, Any], env_ids: tuple[str, ...] | list[str]) -> bool:
+    """Whether `env_kwargs` gives each env its own kwargs: several envs, every key one of them."""
+    return len(env_ids) > 1 and bool(env_kwargs) and all(k in env_ids and isinstance(v, dict) for k, v in env_kwargs.items())
+
+
+def env_kwargs_for(env_kwargs: dict[str, Any], env_ids: tuple[str, ...] | list[str], env_id: str) -> dict[str, Any]:
+    """`env_id`'s own kwargs (see TrainConfig.env_kwargs), without the split."""
+    return dict(env_kwargs.get(env_id, {})) if keyed_by_env(env_kwargs, env_ids) else dict(env_kwargs)
 
 
 def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -156,4 +206,4 @@ def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
         raise ConfigError(f"{name}={value!r}: choose one of {list(choices)}.{did_you_mean(value, choices)}")
 
 
-__all__ = ["LOSS_TYPES", "ConfigError", "TrainConfig", "ZeroStd"]
+__all__ = ["LOSS_TYPES", "ConfigError", "TrainConfig", "ZeroStd", "env_kwargs_for", "keyed_by_env"]

@@ -3,6 +3,12 @@
 One step: rollout (tasks x group, batched, token-exact) -> rewards (the env's rubric) ->
 Critique-GRPO refinements for failed groups -> advantages (one baseline per group) ->
 update epochs over micro-batches -> log. See `trainer.losses` for the math.
+
+Under torchrun every rank draws the same tasks (from (seed, step)) and rolls out its own slice
+of whole groups; advantages, the loss normaliser and the metrics are global, and gradients are
+summed across ranks before each optimizer step (see `trainer.distributed`). Rank 0 writes the
+metrics and checkpoints and runs the evaluations. Several envs (`TrainConfig.envs`) mix in one
+run: each group's env is drawn by weight, and metrics and evaluations are reported per env.
 """
 
 from __future__ import annotations
@@ -11,10 +17,11 @@ import copy
 import json
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import gymnasium as gym
 import numpy as np
@@ -27,17 +34,20 @@ from agents.evaluate import EvalConfig, evaluate
 from agents.hf import HFPolicy
 from agents.precision import autocast
 from agents.sampling import sequence_logprobs
+from envs.errors import ConfigError
 from envs.registration import make
 from trainer.checkpoint import latest_checkpoint, load_state, save_checkpoint
 from trainer.config import TrainConfig
+from trainer.distributed import World, check_divisible, close_world, global_normalizer, init_world
 from trainer.finite import check_finite
-from trainer.losses import policy_loss, token_normalizer, unified_advantages
-from trainer.metrics import HackingMonitor, MetricsLog, plot_curve, rollout_metrics
+from trainer.losses import policy_loss, unified_advantages
+from trainer.metrics import HackingMonitor, MetricsLog, Outcome, env_metrics, plot_curve, rollout_metrics
 from trainer.refine import rebase, sample_subset, select_refinements, should_refine
-from trainer.rollout import Trajectory, pack, slice_batch
+from trainer.rollout import Batch, Trajectory, pack, slice_batch
 
 EnvFactory = Callable[[str], gym.Env]  # split -> env
 EVAL_SEED = 10_000
+T = TypeVar("T")
 
 
 @dataclass
@@ -48,22 +58,36 @@ class TrainState:
     policy: HFPolicy
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
-    make_env: EnvFactory
+    factories: dict[str, EnvFactory]  # env id -> (split -> env)
     reference: torch.nn.Module | None
     critic: Any
     log: MetricsLog
     monitor: HackingMonitor
     max_completion_length: int
     start_step: int = 0
-    pool: list[gym.Env] = field(default_factory=list)  # train-split envs reused across steps
+    world: World = field(default_factory=World)
+    pools: dict[str, list[gym.Env]] = field(default_factory=dict)  # train-split envs reused across steps
 
     @property
     def model(self) -> torch.nn.Module:
         return self.policy.model
 
+    def make_env(self, split: str, env_id: str | None = None) -> gym.Env:
+        return self.factories[env_id or self.config.env_ids[0]](split)
 
-def setup(config: TrainConfig, *, make_env: EnvFactory | None = None, resume: bool = False) -> TrainState:
-    """Load the model (or the latest checkpoint), optimizer, scheduler, reference and critic."""
+    def pool(self, env_id: str) -> list[gym.Env]:
+        return self.pools.setdefault(env_id, [])
+
+
+def setup(config: TrainConfig, *, make_env: EnvFactory | None = None, resume: bool = False, world: World | None = None) -> TrainState:
+    """Load the model (or the latest checkpoint), optimizer, scheduler, reference and critic.
+
+    `make_env` replaces the registry for a single-env run (tests use a toy env).
+    """
+    world = world or World()
+    check_divisible(config.tasks_per_step, world)
+    if make_env is not None and len(config.env_ids) > 1:
+        raise ConfigError(f"make_env builds one env, but the config mixes {list(config.env_ids)}")
     out = Path(config.out)
     checkpoint = latest_checkpoint(out) if resume else None
     if resume and checkpoint is None:
@@ -78,13 +102,25 @@ def setup(config: TrainConfig, *, make_env: EnvFactory | None = None, resume: bo
     warmup = max(config.warmup_steps, 1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
     start = load_state(checkpoint, optimizer=optimizer, scheduler=scheduler) if checkpoint else 0
-    rewind_metrics(out / "metrics.jsonl", start)
-    factory = make_env or (lambda split: make(config.env_id, **{**config.env_kwargs, "split": split}))
-    probe = factory("train")
-    max_turns = int(getattr(probe.unwrapped, "max_turns", 1))
-    probe.close()
+    world.broadcast_parameters(policy.model)
+    if world.is_main:
+        rewind_metrics(out / "metrics.jsonl", start)
+    factories = {config.env_ids[0]: make_env} if make_env else {e: _registry_factory(config, e) for e in config.env_ids}
+    max_turns = max(_max_turns(factory) for factory in factories.values())
     reference = copy.deepcopy(policy.model).eval().requires_grad_(False) if config.beta > 0 else None
-    return TrainState(config, policy, optimizer, scheduler, factory, reference, _critic(config), MetricsLog(out / "metrics.jsonl"), HackingMonitor(), config.max_new_tokens * max_turns, start)
+    log = MetricsLog(out / "metrics.jsonl")
+    return TrainState(config, policy, optimizer, scheduler, factories, reference, _critic(config), log, HackingMonitor(), config.max_new_tokens * max_turns, start, world)
+
+
+def _registry_factory(config: TrainConfig, env_id: str) -> EnvFactory:
+    return lambda split: make(env_id, **config.kwargs_for(env_id, split))
+
+
+def _max_turns(factory: EnvFactory) -> int:
+    probe = factory("train")
+    turns = int(getattr(probe.unwrapped, "max_turns", 1))
+    probe.close()
+    return turns
 
 
 def rewind_metrics(path: Path, step: int) -> None:
@@ -138,59 +174,57 @@ def _with_lora(model: torch.nn.Module, rank: int) -> torch.nn.Module:
 
 # -- one step ---------------------------------------------------------------------------------
 def train_step(state: TrainState, step: int) -> dict[str, Any]:
-    cfg = state.config
+    cfg, world = state.config, state.world
     started = time.perf_counter()
-    rng = np.random.default_rng([cfg.seed, step])  # tasks and selection depend only on (seed, step)
-    state.policy.generator.manual_seed(cfg.seed * 1_000_003 + step)
+    rng = np.random.default_rng([cfg.seed, step])  # tasks and envs depend only on (seed, step): every rank draws the same
+    seeds, envs = _draw_tasks(cfg, rng, cfg.tasks_per_step), _draw_envs(cfg, rng, cfg.tasks_per_step)
 
-    # 1. rollout: every task's group samples together, in one batch
+    # 1. rollout: this rank's whole groups, `rollout_groups` at a time
     state.model.eval()
-    trajectories = _rollout_groups(state, rng)
-    rollout_s = time.perf_counter() - started
-    metrics = rollout_metrics(trajectories, cfg.group_size)
+    trajectories = _rollout_groups(state, seeds, envs, step)
+    rollout_s = world.max([time.perf_counter() - started])[0]
+    outcomes = [o for part in world.gather([Outcome.of(t, envs[t.group]) for t in trajectories]) for o in part]
+    metrics = rollout_metrics(outcomes, cfg.group_size) | (env_metrics(outcomes) if len(cfg.env_ids) > 1 else {})
 
     # 2. Critique-GRPO: refine the groups where (nearly) every attempt failed
-    refined, refine_metrics = _refine(state, trajectories, rng) if cfg.critique != "none" else ([], {})
+    refined, refine_counts = _refine(state, trajectories, envs, step) if cfg.critique != "none" else ([], None)
     batch_trajs = trajectories + refined
 
-    # 3. advantages: one baseline per group over initial + refined rewards
-    rewards = torch.tensor([t.reward for t in batch_trajs])
-    groups = torch.tensor([t.group for t in batch_trajs])
-    advantages = unified_advantages(rewards, groups, cfg.scale)
+    # 3. advantages: one baseline per group over initial + refined rewards (global, for scale="batch")
+    advantages, rewards, groups = _advantages(state, batch_trajs)
     keep = _keep_rows(batch_trajs, rewards, groups, cfg)
     batch_trajs = [t for t, k in zip(batch_trajs, keep) if k]
     advantages = advantages[torch.tensor(keep, dtype=torch.bool)]
 
     # 4. update: num_iterations passes over micro-batches, one optimizer step per pass
-    update = _update(state, batch_trajs, advantages, step) if batch_trajs else {"loss": 0.0}
+    update = _update(state, batch_trajs, advantages, step) if world.sum([len(batch_trajs)])[0] else {"loss": 0.0}
     elapsed = time.perf_counter() - started
-    sampled = sum(t.sampled_tokens for t in trajectories + refined)
+    initial, extra = world.sum([sum(t.sampled_tokens for t in trajectories), sum(t.sampled_tokens for t in refined)])
 
     # 5. log
-    row = {"step": step, **metrics, **refine_metrics, **update}
-    row.update(tokens_per_s=sampled / max(rollout_s, 1e-9), step_time_s=elapsed, rollout_time_s=rollout_s, lr=state.scheduler.get_last_lr()[0])
-    row["tokens/initial"] = sum(t.sampled_tokens for t in trajectories)
-    row["tokens/refined"] = sum(t.sampled_tokens for t in refined)
+    row = {"step": step, **metrics, **(_refine_metrics(world.sum(refine_counts)) if refine_counts else {}), **update}
+    row.update(tokens_per_s=(initial + extra) / max(rollout_s, 1e-9), step_time_s=elapsed, rollout_time_s=rollout_s, lr=state.scheduler.get_last_lr()[0])
+    row["tokens/initial"], row["tokens/refined"] = int(initial), int(extra)
     warning = state.monitor.update(metrics["hacking/top_quartile_failed"], metrics["hacking/failed_outscoring"])
     if warning:
         row["hacking/warning"] = warning
     return row
 
 
-def _rollout_groups(state: TrainState, rng: np.random.Generator) -> list[Trajectory]:
+def _rollout_groups(state: TrainState, seeds: list[int], envs: list[str], step: int) -> list[Trajectory]:
+    """This rank's groups (global indices, in order); flat ones redrawn once under zero_std="resample"."""
     cfg = state.config
-    task_seeds = _draw_tasks(cfg, rng, cfg.tasks_per_step)
-    trajectories = _play(state, task_seeds, group_offset=0)
+    share = cfg.tasks_per_step // state.world.size
+    mine = range(state.world.rank * share, (state.world.rank + 1) * share)
+    trajectories = _play(state, [(g, envs[g], seeds[g]) for g in mine], step)
     if cfg.zero_std == "resample":
-        flat = [i for i in range(cfg.tasks_per_step) if len({t.reward for t in trajectories[i * cfg.group_size : (i + 1) * cfg.group_size]}) == 1]
-        if flat:  # one more draw for the groups that taught nothing
-            fresh = _draw_tasks(cfg, rng, len(flat))
-            redo = _play(state, fresh, group_offset=0)
-            for slot, i in enumerate(flat):
-                group = redo[slot * cfg.group_size : (slot + 1) * cfg.group_size]
-                for t in group:
-                    t.group = i
-                trajectories[i * cfg.group_size : (i + 1) * cfg.group_size] = group
+        by_group = {g: trajectories[i * cfg.group_size : (i + 1) * cfg.group_size] for i, g in enumerate(mine)}
+        flat = [g for g, grp in by_group.items() if len({t.reward for t in grp}) == 1]
+        if flat:  # one more draw for the groups that taught nothing, each from its own (seed, step, group)
+            fresh = [_draw_tasks(cfg, np.random.default_rng([cfg.seed, step, 1, g]), 1)[0] for g in flat]
+            redo = _play(state, [(g, envs[g], s) for g, s in zip(flat, fresh)], step, resampled=True)
+            by_group.update({g: redo[i * cfg.group_size : (i + 1) * cfg.group_size] for i, g in enumerate(flat)})
+            trajectories = [t for g in mine for t in by_group[g]]
     return trajectories
 
 
@@ -201,38 +235,92 @@ def _draw_tasks(cfg: TrainConfig, rng: np.random.Generator, n: int) -> list[int]
     return [int(s) for s in rng.integers(0, 2**31 - 1, n)]
 
 
-def _play(state: TrainState, task_seeds: list[int], group_offset: int) -> list[Trajectory]:
+def _draw_envs(cfg: TrainConfig, rng: np.random.Generator, n: int) -> list[str]:
+    """Each of `n` groups' env, drawn by `env_probabilities` (one env: no draw, the rng is untouched)."""
+    if len(cfg.env_ids) == 1:
+        return [cfg.env_ids[0]] * n
+    return [cfg.env_ids[i] for i in rng.choice(len(cfg.env_ids), size=n, p=cfg.env_probabilities)]
+
+
+def _play(state: TrainState, jobs: list[tuple[int, str, int]], step: int, *, resampled: bool = False) -> list[Trajectory]:
+    """(group, env, task seed) jobs -> their group_size trajectories each, in job order."""
     g = state.config.group_size
-    seeds = [s for s in task_seeds for _ in range(g)]
-    results = run_episodes(lambda: state.make_env("train"), state.policy, seeds, batch_size=len(seeds), pool=state.pool)
-    return [Trajectory.from_result(r, group_offset + i // g) for i, r in enumerate(results)]
+    done: dict[int, list[Trajectory]] = {}
+    for env_id, first, part in _batches(state.config, jobs, group=lambda job: job[0], env=lambda job: job[1]):
+        _seed_sampler(state, step, first, salt=int(resampled))
+        seeds = [seed for _, _, seed in part for _ in range(g)]
+        results = run_episodes(partial(state.make_env, "train", env_id), state.policy, seeds, batch_size=len(seeds), pool=state.pool(env_id))
+        for i, (group, _, _) in enumerate(part):
+            done[group] = [Trajectory.from_result(r, group) for r in results[i * g : (i + 1) * g]]
+    return [t for group, _, _ in jobs for t in done[group]]
 
 
-def _refine(state: TrainState, trajectories: list[Trajectory], rng: np.random.Generator) -> tuple[list[Trajectory], dict[str, Any]]:
+def _batches(cfg: TrainConfig, items: list[T], *, group: Callable[[T], int], env: Callable[[T], str]) -> Iterator[tuple[str, int, list[T]]]:
+    """Items split by env, then into batches of `rollout_groups` groups (0: one batch per env);
+    each comes with its env and first group."""
+    for env_id in dict.fromkeys(map(env, items)):
+        own = [x for x in items if env(x) == env_id]
+        groups = list(dict.fromkeys(map(group, own)))
+        size = cfg.rollout_groups or len(groups)
+        for start in range(0, len(groups), size):
+            chosen = set(groups[start : start + size])
+            yield env_id, groups[start], [x for x in own if group(x) in chosen]
+
+
+def _seed_sampler(state: TrainState, step: int, first_group: int, *, salt: int) -> None:
+    """Seed a rollout batch's sampler by (seed, step, what it samples, its first group), never by
+    rank: with `rollout_groups` 1 a group samples the same under any number of processes."""
+    state.policy.generator.manual_seed(state.config.seed * 1_000_003 + step + (salt << 32) + (first_group << 34))
+
+
+def _refine(state: TrainState, trajectories: list[Trajectory], envs: list[str], step: int) -> tuple[list[Trajectory], list[float]]:
+    """Refinements kept for this rank's triggered groups, and the counts `_refine_metrics` reads.
+
+    Which failures get a critique and which refinements are kept are drawn per group, from
+    (seed, step, group), and refinements sample in `rollout_groups` batches like the rollout, so
+    none of it depends on how groups are split over ranks.
+    """
     cfg = state.config
     by_group = [trajectories[i : i + cfg.group_size] for i in range(0, len(trajectories), cfg.group_size)]
     triggered = [grp for grp in by_group if should_refine(grp, cfg.refine_fail_fraction)]
-    failed = [t for grp in triggered for t in sample_subset([t for t in grp if not t.success], cfg.refine_attempts, rng)]
+    rngs = {grp[0].group: np.random.default_rng([cfg.seed, step, 2, grp[0].group]) for grp in triggered}
+    failed = [t for grp in triggered for t in sample_subset([t for t in grp if not t.success], cfg.refine_attempts, rngs[grp[0].group])]
     critiques = _critiques(state, failed)
     todo = [(t, c) for t, c in zip(failed, critiques) if c]
+    refined: list[Trajectory] = []
+    for env_id, first, own in _batches(cfg, todo, group=lambda item: item[0].group, env=lambda item: envs[item[0].group]):
+        _seed_sampler(state, step, first, salt=2)
+        results = run_refinements(partial(state.make_env, "train", env_id), state.policy, [(t.result, c) for t, c in own], pool=state.pool(env_id))
+        refined += [Trajectory.from_result(r, t.group, refined=True) for r, (t, _) in zip(results, own)]
     kept: list[Trajectory] = []
-    successes = 0
-    if todo:
-        results = run_refinements(lambda: state.make_env("train"), state.policy, [(t.result, c) for t, c in todo], pool=state.pool)
-        refined = [Trajectory.from_result(r, t.group, refined=True) for r, (t, _) in zip(results, todo)]
-        successes = sum(t.success for t in refined)
-        prompts = {t.group: t.ids[: t.result.conversation.prompt_len] for grp in triggered for t in grp}
-        for group in sorted({t.group for t in refined}):
-            chosen = select_refinements([t for t in refined if t.group == group], cfg.refine_k, rng)
-            kept += [rebase(t, prompts[group]) for t in chosen]
+    prompts = {t.group: t.ids[: t.result.conversation.prompt_len] for grp in triggered for t in grp}
+    for group in sorted({t.group for t in refined}):
+        chosen = select_refinements([t for t in refined if t.group == group], cfg.refine_k, rngs[group])
+        kept += [rebase(t, prompts[group]) for t in chosen]
     rescued = len({t.group for t in kept if t.success})
-    return kept, {
-        "refine/trigger_rate": len(triggered) / max(len(by_group), 1),
-        "refine/attempts": len(todo),
-        "refine/success_rate": successes / len(todo) if todo else 0.0,
-        "refine/rescued_groups": rescued,
-        "refine/kept": len(kept),
+    return kept, [len(triggered), len(by_group), len(todo), sum(t.success for t in refined), rescued, len(kept)]
+
+
+def _refine_metrics(counts: list[float]) -> dict[str, Any]:
+    triggered, groups, attempts, successes, rescued, kept = counts
+    return {
+        "refine/trigger_rate": triggered / max(groups, 1),
+        "refine/attempts": int(attempts),
+        "refine/success_rate": successes / attempts if attempts else 0.0,
+        "refine/rescued_groups": int(rescued),
+        "refine/kept": int(kept),
     }
+
+
+def _advantages(state: TrainState, trajs: list[Trajectory]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This rank's advantages, rewards and group ids; the baselines see every rank's rows."""
+    parts = state.world.gather([(t.reward, t.group) for t in trajs])
+    offset = sum(len(p) for p in parts[: state.world.rank])
+    rewards = torch.tensor([r for p in parts for r, _ in p], dtype=torch.float32)
+    groups = torch.tensor([g for p in parts for _, g in p], dtype=torch.long)
+    advantages = unified_advantages(rewards, groups, state.config.scale) if len(rewards) else rewards
+    rows = slice(offset, offset + len(trajs))
+    return advantages[rows], rewards[rows], groups[rows]
 
 
 def _critiques(state: TrainState, failed: list[Trajectory]) -> list[str | None]:
@@ -253,11 +341,14 @@ def _keep_rows(trajs: list[Trajectory], rewards: torch.Tensor, groups: torch.Ten
 
 
 def _update(state: TrainState, trajs: list[Trajectory], advantages: torch.Tensor, step: int) -> dict[str, Any]:
-    cfg = state.config
+    """num_iterations optimizer steps on this rank's rows; with torchrun, every rank calls it
+    (one left with no rows too) and the gradients are summed across ranks before each step."""
+    cfg, world = state.config, state.world
     state.model.train()
     pad = state.policy.tokenizer.pad_token_id or 0
-    batch = pack(trajs, advantages, pad_id=pad)
-    normalizer = token_normalizer(batch.mask, cfg.loss_type, state.max_completion_length)
+    batch = pack(trajs, advantages, pad_id=pad) if trajs else None
+    normalizer = global_normalizer(batch.mask if batch else None, cfg.loss_type, state.max_completion_length, world)
+    params = [p for p in state.model.parameters() if p.requires_grad]
     totals: dict[str, float] = {"loss": 0.0, "clip_frac_low": 0.0, "clip_frac_high": 0.0, "kl": 0.0, "sampler/logp_diff_max": 0.0}
     # A bf16 sampler's log-probs differ from the training pass's by up to ~0.2 nats (measured on
     # SmolLM2), which the clip would treat as policy change: then the old log-probs are the
@@ -267,6 +358,7 @@ def _update(state: TrainState, trajs: list[Trajectory], advantages: torch.Tensor
     n_micro = 0
     for iteration in range(cfg.num_iterations):
         for start in range(0, len(trajs), cfg.micro_batch_size):
+            assert batch is not None
             mb = slice_batch(batch, slice(start, start + cfg.micro_batch_size))
             with autocast(state.model):  # logits only at sampled positions; log-softmax in fp32
                 logp = sequence_logprobs(state.model, mb.ids, mb.attention, cfg.temperature, mask=mb.mask)
@@ -294,35 +386,67 @@ def _update(state: TrainState, trajs: list[Trajectory], advantages: torch.Tensor
             for key in ("clip_frac_low", "clip_frac_high", "kl"):
                 totals[key] += float(stats[key])
             n_micro += 1
+        world.sum_gradients(params)
         grad_norm = torch.nn.utils.clip_grad_norm_(state.model.parameters(), cfg.max_grad_norm)
         check_finite("gradient norm", grad_norm, step=step)
         state.optimizer.step()
         state.scheduler.step()
         state.optimizer.zero_grad(set_to_none=True)
-    sampled = batch.mask.bool()
+    return _update_metrics(world, batch, totals, n_micro, cfg.num_iterations, float(grad_norm))
+
+
+def _update_metrics(world: World, batch: Batch | None, totals: dict[str, float], n_micro: int, iterations: int, grad_norm: float) -> dict[str, Any]:
+    """The update's figures over every rank: the loss summed (each rank's is a share of the
+    global one), clip fractions and KL averaged over micro-batches, entropy over tokens."""
+    sampled = batch.mask.bool() if batch is not None else torch.zeros(0, dtype=torch.bool)
+    surprisal = float(-batch.old_logp[sampled].sum()) if batch is not None else 0.0
+    loss, low, high, kl, micro, nats, tokens = world.sum([totals["loss"], totals["clip_frac_low"], totals["clip_frac_high"], totals["kl"], n_micro, surprisal, float(sampled.sum())])
     return {
-        "loss": totals["loss"] / cfg.num_iterations,
-        "clip_frac_low": totals["clip_frac_low"] / n_micro,
-        "clip_frac_high": totals["clip_frac_high"] / n_micro,
-        "kl": totals["kl"] / n_micro,
-        "sampler/logp_diff_max": totals["sampler/logp_diff_max"],
-        "entropy": float(-batch.old_logp[sampled].mean()) if sampled.any() else 0.0,
-        "grad_norm": float(grad_norm),
-        "train_tokens": int(sampled.sum()),
+        "loss": loss / iterations,
+        "clip_frac_low": low / max(micro, 1),
+        "clip_frac_high": high / max(micro, 1),
+        "kl": kl / max(micro, 1),
+        "sampler/logp_diff_max": world.max([totals["sampler/logp_diff_max"]])[0],
+        "entropy": nats / tokens if tokens else 0.0,
+        "grad_norm": grad_norm,
+        "train_tokens": int(tokens),
     }
 
 
 # -- evaluation, checkpoints, the run ----------------------------------------------------------
 def evaluate_model(state: TrainState, *, episodes: int | None = None) -> dict[str, Any]:
-    """Test-split success of the current weights (same seeds every time)."""
+    """Test-split success of the current weights (same seeds every time); with several envs,
+    the mean over them and each one's summary under `per_env`."""
+    per_env = {env_id: _evaluate_env(state, env_id, episodes) for env_id in state.config.env_ids}
+    if len(per_env) == 1:
+        return next(iter(per_env.values()))
+    means = {k: float(np.mean([s[k] for s in per_env.values()])) for k in ("success_rate", "mean_reward")}
+    return {**means, "per_env": per_env}
+
+
+def _evaluate_env(state: TrainState, env_id: str, episodes: int | None) -> dict[str, Any]:
     cfg = state.config
     policy = HFPolicy(state.model, state.policy.tokenizer, temperature=cfg.eval_temperature, top_p=1.0, max_new_tokens=cfg.max_new_tokens, seed=EVAL_SEED)
     was_training = state.model.training
     state.model.eval()
-    config = EvalConfig(cfg.env_id, cfg.test_env_kwargs, episodes=episodes or cfg.eval_episodes, seed=EVAL_SEED, batch_size=64)
+    config = EvalConfig(env_id, cfg.kwargs_for(env_id, "test"), episodes=episodes or cfg.eval_episodes, seed=EVAL_SEED, batch_size=64)
     summary, _ = evaluate(policy, config)
     state.model.train(was_training)
     return summary
+
+
+def _eval_row(summary: dict[str, Any]) -> dict[str, Any]:
+    row = {"eval/success_rate": summary["success_rate"], "eval/mean_reward": summary["mean_reward"]}
+    for env_id, s in summary.get("per_env", {}).items():
+        row |= {f"eval/{env_id}/success_rate": s["success_rate"], f"eval/{env_id}/mean_reward": s["mean_reward"]}
+    return row
+
+
+def _main_only(state: TrainState, work: Callable[[], Any]) -> Any:
+    """Rank 0 runs `work` while the others wait at a barrier; they get None."""
+    result = work() if state.world.is_main else None
+    state.world.barrier()
+    return result
 
 
 def save(state: TrainState, step: int, directory: Path) -> Path:
@@ -330,39 +454,57 @@ def save(state: TrainState, step: int, directory: Path) -> Path:
 
 
 def train(config: TrainConfig, *, make_env: EnvFactory | None = None, resume: bool = False, console: Console | None = None) -> dict[str, Any]:
-    """Run GRPO (Critique-GRPO when `config.critique` is set); returns before/after figures."""
+    """Run GRPO (Critique-GRPO when `config.critique` is set); returns before/after figures.
+
+    Under torchrun (WORLD_SIZE > 1) this process joins the process group and trains its share.
+    """
+    world = init_world()
+    try:
+        return _train(config, world, make_env=make_env, resume=resume, console=console or Console())
+    finally:
+        close_world(world)
+
+
+def _train(config: TrainConfig, world: World, *, make_env: EnvFactory | None, resume: bool, console: Console) -> dict[str, Any]:
     from trainer.progress import step_progress
 
-    console = console or Console()
-    state = setup(config, make_env=make_env, resume=resume)
+    state = setup(config, make_env=make_env, resume=resume, world=world)
     out = Path(config.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "train_config.json").write_text(json.dumps(config.to_dict(), indent=2, default=str))
+    if world.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "train_config.json").write_text(json.dumps(config.to_dict(), indent=2, default=str))
     evaluating = make_env is None and config.eval_episodes > 0
     before = None
     if state.start_step == 0 and evaluating:
-        before = evaluate_model(state)
-        state.log.write({"step": 0, "eval/success_rate": before["success_rate"], "eval/mean_reward": before["mean_reward"]})
+        before = _main_only(state, lambda: evaluate_model(state))
+        if before:
+            state.log.write({"step": 0, **_eval_row(before)})
     started = time.perf_counter()
     last = state.start_step
-    with step_progress(console, config.steps, "train", enabled=config.progress, start=state.start_step) as advance:
+    with step_progress(console, config.steps, "train", enabled=config.progress and world.is_main, start=state.start_step) as advance:
         for step in range(state.start_step + 1, config.steps + 1):
             row = train_step(state, step)
             if config.eval_every and step % config.eval_every == 0 and step < config.steps and evaluating:
-                ev = evaluate_model(state)
-                row.update({"eval/success_rate": ev["success_rate"], "eval/mean_reward": ev["mean_reward"]})
-            state.log.write(row)
+                row.update(_eval_row(ev) if (ev := _main_only(state, lambda: evaluate_model(state))) else {})
+            if world.is_main:
+                state.log.write(row)
             advance(row)
             last = step
             if config.save_every and step % config.save_every == 0:
-                save(state, step, out / "checkpoints" / f"step-{step}")
-            if config.time_budget_s and time.perf_counter() - started > config.time_budget_s:
+                _main_only(state, partial(save, state, step, out / "checkpoints" / f"step-{step}"))
+            over = bool(config.time_budget_s) and time.perf_counter() - started > config.time_budget_s
+            if world.max([float(over)])[0]:  # every rank stops after the same step
                 console.print(f"time budget of {config.time_budget_s:.0f}s reached after step {step}")
                 break
     after = None
     if evaluating:
-        after = evaluate_model(state)
-        state.log.write({"step": last, "eval/success_rate": after["success_rate"], "eval/mean_reward": after["mean_reward"]})
-    final = save(state, last, out / "final")
-    plot_curve(state.log.rows(), out / "curve.png", title=f"{config.env_id} {config.env_kwargs} ({'critique: ' + config.critique if config.critique != 'none' else 'GRPO'})")
-    return {"steps": last, "train_time_s": time.perf_counter() - started, "before": before, "after": after, "final": str(final)}
+        after = _main_only(state, lambda: evaluate_model(state))
+        if after:
+            state.log.write({"step": last, **_eval_row(after)})
+    final = out / "final"
+    if world.is_main:
+        save(state, last, final)
+        envs = " + ".join(config.env_ids)
+        plot_curve(state.log.rows(), out / "curve.png", title=f"{envs} {config.env_kwargs} ({'critique: ' + config.critique if config.critique != 'none' else 'GRPO'})")
+    world.barrier()
+    return {"steps": last, "train_time_s": time.perf_counter() - started, "before": before, "after": after, "final": str(final), "rank": world.rank}

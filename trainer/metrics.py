@@ -6,6 +6,7 @@ import json
 import warnings
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -17,19 +18,38 @@ HACKING_THRESHOLD = 0.5
 HACKING_PATIENCE = 3
 
 
-def rollout_metrics(trajectories: Sequence[Trajectory], group_size: int) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Outcome:
+    """What the metrics read of one trajectory: small and picklable, so torchrun ranks can
+    gather every rank's outcomes and log metrics of the whole global batch."""
+
+    reward: float
+    success: bool
+    truncated: bool
+    refined: bool = False
+    env_id: str = ""
+    breakdown: dict[str, float] = field(default_factory=dict)
+    codes: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, t: Trajectory, env_id: str = "") -> Outcome:
+        breakdown, codes = (dict(t.result.breakdown), tuple(t.result.codes)) if t.result else ({}, ())
+        return cls(t.reward, t.success, t.truncated, t.refined, env_id, breakdown, codes)
+
+
+def rollout_metrics(trajectories: Sequence[Trajectory | Outcome], group_size: int) -> dict[str, Any]:
     """Reward, success, per-check means, critique codes and group statistics of initial attempts."""
-    initial = [t for t in trajectories if not t.refined]
+    initial = [t if isinstance(t, Outcome) else Outcome.of(t) for t in trajectories if not t.refined]
     rewards = np.array([t.reward for t in initial])
     groups = rewards.reshape(-1, group_size)
-    checks = sorted({name for t in initial if t.result for name in t.result.breakdown})
-    codes = Counter(code for t in initial if t.result for code in t.result.codes)
+    checks = sorted({name for t in initial for name in t.breakdown})
+    codes = Counter(code for t in initial for code in t.codes)
     return {
         "reward_mean": float(rewards.mean()),
         "reward_std": float(rewards.std()),
         "success_rate": float(np.mean([t.success for t in initial])),
         "frac_zero_std": float(np.mean(groups.std(axis=1) == 0)),
-        "checks": {c: float(np.mean([t.result.breakdown.get(c, 0.0) for t in initial if t.result])) for c in checks},
+        "checks": {c: float(np.mean([t.breakdown.get(c, 0.0) for t in initial])) for c in checks},
         "critique_codes": dict(codes.most_common()),
         "truncated_rate": float(np.mean([t.truncated for t in initial])),
         "hacking/top_quartile_failed": top_quartile_failed(initial),
@@ -37,7 +57,19 @@ def rollout_metrics(trajectories: Sequence[Trajectory], group_size: int) -> dict
     }
 
 
-def top_quartile_failed(trajectories: Sequence[Trajectory]) -> float:
+def env_metrics(outcomes: Sequence[Outcome]) -> dict[str, Any]:
+    """`env/<id>/...`: each env's share of the initial attempts, their success and mean reward."""
+    initial = [o for o in outcomes if not o.refined]
+    row: dict[str, Any] = {}
+    for env_id in dict.fromkeys(o.env_id for o in initial):
+        own = [o for o in initial if o.env_id == env_id]
+        row[f"env/{env_id}/share"] = len(own) / len(initial)
+        row[f"env/{env_id}/success_rate"] = float(np.mean([o.success for o in own]))
+        row[f"env/{env_id}/reward_mean"] = float(np.mean([o.reward for o in own]))
+    return row
+
+
+def top_quartile_failed(trajectories: Sequence[Trajectory | Outcome]) -> float:
     """Share of top-quartile-reward trajectories that did not succeed (high score, wrong answer)."""
     if not trajectories:
         return 0.0
@@ -47,7 +79,7 @@ def top_quartile_failed(trajectories: Sequence[Trajectory]) -> float:
     return float(np.mean([not t.success for t in top]))
 
 
-def failed_outscoring(trajectories: Sequence[Trajectory]) -> float:
+def failed_outscoring(trajectories: Sequence[Trajectory | Outcome]) -> float:
     """Share of failed trajectories whose reward reaches the lowest successful one (0 without successes).
 
     A rubric that gates correctness keeps this at 0 even when successes are rare and the top

@@ -58,6 +58,8 @@ BAD = [
     pytest.param([*TRAIN, "--critique", "steps"], "Did you mean 'step'", id="train-critique-typo"),
     pytest.param([*TRAIN, "--critique", "stepp"], "Did you mean 'step'", id="train-critique-stepp"),
     pytest.param([*TRAIN, "--loss-type", "dapoo"], "invalid choice: 'dapoo'", id="train-loss-type-typo"),
+    pytest.param([*TRAIN, *SQL, "--env-kwargs", '{"cgym/ApiReport-v0": {}, "cgym/SqlQuery-v0": {"difficulty": "hardest"}}'], "difficulty='hardest'", id="train-mix-bad-kwargs-of-one-env"),
+    pytest.param([*TRAIN, *SQL, "--env-weights", "1"], "env_weights has 1 values for 2 envs", id="train-mix-weights-count"),
     pytest.param([*TRAIN, "--eval-temperature", "-1"], "eval_temperature must be >= 0", id="train-eval-temperature-negative"),
     pytest.param([*TRAIN, "--temperature", "-1"], "--temperature", id="train-temperature-negative"),
     pytest.param([*EVAL, "--policy", "py:no_such_module_xyz:make"], "cannot import 'no_such_module_xyz'", id="py-module-missing"),

@@ -13,6 +13,7 @@ import pytest
 from agents.evaluate import EvalConfig
 from agents.spec import SamplingOptions
 from cgym.cli import build_parser
+from cgym.commands import train_config
 from cgym.options import add_config_options, config_kwargs, field_docs
 from trainer.config import TrainConfig
 
@@ -81,8 +82,13 @@ def _subparser(name: str) -> argparse.ArgumentParser:
 
 def test_train_defaults_are_train_config_defaults() -> None:
     args = build_parser().parse_args(["train", "--env", "cgym/ApiReport-v0", "--model", "tiny", "--out", "o"])
-    parsed = TrainConfig(**config_kwargs(args, TrainConfig) | {"env_id": args.env, "out": str(args.out)})
-    assert parsed == TrainConfig(model="tiny", out="o")
+    assert train_config(args) == TrainConfig(model="tiny", out="o")
+
+
+def test_a_repeated_env_mixes_envs_by_weight() -> None:
+    args = build_parser().parse_args(["train", "--env", "cgym/ApiReport-v0", "--env", "cgym/SqlQuery-v0", "--env-weights", "0.7", "0.3", "--model", "tiny", "--out", "o"])
+    config = train_config(args)
+    assert (config.env_ids, config.env_probabilities) == (("cgym/ApiReport-v0", "cgym/SqlQuery-v0"), pytest.approx((0.7, 0.3)))
 
 
 @pytest.mark.parametrize(
@@ -92,7 +98,7 @@ def test_train_defaults_are_train_config_defaults() -> None:
                                "--loss-type", "--scale", "--epsilon-low", "--epsilon-high", "--beta", "--num-iterations", "--micro-batch-size",
                                "--zero-std", "--mask-truncated", "--critique", "--refine-k", "--refine-attempts", "--refine-fail-fraction",
                                "--gamma", "--no-shaping", "--eval-every", "--eval-episodes", "--save-every", "--time-budget", "--lora-r",
-                               "--trainable", "--seed", "--resume", "--temperature", "--top-p", "--max-new-tokens"], id="train"),
+                               "--trainable", "--seed", "--resume", "--env-weights", "--rollout-groups", "--temperature", "--top-p", "--max-new-tokens"], id="train"),
         pytest.param("eval", ["--env", "--env-kwargs", "--policy", "--episodes", "--split", "--seed", "--samples", "--batch-size",
                               "--self-critique", "--json", "--temperature", "--top-p", "--max-new-tokens"], id="eval"),
         pytest.param("compare", ["--env", "--env-kwargs", "--before", "--after", "--policy", "--episodes", "--seed", "--batch-size",
