@@ -9,6 +9,13 @@ the way in, so the env parses a single format whatever the server does.
 Spec form on the CLI: `openai:<model>@<base_url>`, with transport options as a query string,
 e.g. `openai:m@http://127.0.0.1:8000/v1?timeout_s=20&max_retries=2&deadline_s=60` (see
 `SPEC_OPTIONS`).
+
+Why httpx and not the `openai` SDK (weighed for issue 17, openai 3.57): its timeout applies per
+read, so a server that trickles its reply (300 bytes at 20 ms each) held
+`OpenAI(timeout=0.3, max_retries=5)` for 6.3 s, which then raised a bare JSONDecodeError; this
+client's `deadline_s` bounds the whole turn across retries (0.6 s in
+tests/agents/test_openai_robustness.py), caps the reply's size before parsing, and reads Hermes
+text as well as native tool calls.
 """
 
 from __future__ import annotations
