@@ -197,3 +197,16 @@ def test_sql_attacks_next_to_honest_episodes_change_nothing(attack: str) -> None
     assert all(r.success for r in concurrent)  # honest and attacking episodes alike end with the gold query
     assert [r.critiques[0]["code"] if r.critiques else None for r in concurrent] == [code if i % 3 == 0 else None for i in range(12)]
     assert elapsed < 10  # 4 attacks of 0.3 s each, the honest episodes' queries in milliseconds
+
+
+def test_eval_workers_reach_the_episodes_and_change_no_figure() -> None:
+    """`EvalConfig.workers` (`cgym eval --workers`) steps the envs on threads: same summary, faster I/O."""
+    from agents.evaluate import EvalConfig, evaluate
+
+    kwargs = {"difficulty": "hard", "faults": 0.3, "latency_s": 0.01}
+    figures = {}
+    for workers in (1, 8):
+        summary, results = evaluate(ScriptedPolicy("no_retry"), EvalConfig("cgym/ApiReport-v0", kwargs, episodes=16, workers=workers))
+        figures[workers] = ({k: summary[k] for k in ("success_rate", "mean_reward", "critique_codes")}, [r.summary() for r in results], summary["wall_s"])
+    assert figures[1][:2] == figures[8][:2]
+    assert figures[8][2] < figures[1][2]
