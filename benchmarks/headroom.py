@@ -39,8 +39,8 @@ def measure_split(env_id: str, difficulty: str, args: argparse.Namespace) -> dic
     from agents.demos import demonstrations
     from agents.evaluate import EvalConfig, evaluate
     from agents.hf import HFPolicy
-    from agents.sft import sft
     from trainer.grpo import EVAL_SEED  # the trainer's test seeds
+    from trainer.sft import sft
 
     kwargs = {"difficulty": difficulty}
     out = args.out / f"{env_id.split('/')[1]}-{difficulty}"

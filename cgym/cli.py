@@ -122,8 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=commands.cmd_audit)
 
     p = sub.add_parser("tiny", help="build the embedded tiny model (tokenizer + Qwen2-architecture model)")
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--seed", type=NATURAL, default=0)
+    p.add_argument("--out", type=Path, help="build into this directory (default: the model cache, where --model tiny finds it)")
+    p.add_argument("--seed", type=NATURAL, default=0, help="with --out: the build's seed (the cached model uses seed 0)")
     p.set_defaults(func=commands.cmd_tiny)
 
     p = sub.add_parser("model", help="fetch and convert a pretrained model by short name (once; cached)")

@@ -51,6 +51,17 @@ def _eval_config(args: argparse.Namespace, split: str) -> Any:
     return EvalConfig(**config_kwargs(args, EvalConfig) | {"env_id": args.env, "env_kwargs": _with_split(args.env, args.env_kwargs, split)})
 
 
+def _prepare(*specs: str | None) -> None:
+    """Build the embedded tiny model on first use when a spec names it (the policy layer only loads
+    models); other specs import nothing here."""
+    from agents.pretrained import EMBEDDED_MODEL
+
+    if any(spec is not None and spec.removeprefix("hf:") == EMBEDDED_MODEL for spec in specs):
+        from trainer.embedded import ensure_embedded_model
+
+        ensure_embedded_model()
+
+
 def cmd_envs(args: argparse.Namespace) -> int:
     import envs
 
@@ -69,6 +80,7 @@ def cmd_play(args: argparse.Namespace) -> int:
     from envs import make
     from trainer.transcript import print_transcript
 
+    _prepare(args.policy)
     policy = load_policy(args.policy, _sampling(args), env_id=args.env)
     result = run_episodes(lambda: make(args.env, **args.env_kwargs), policy, [args.seed], batch_size=1)[0]
     print_transcript(console, result)
@@ -81,6 +93,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from trainer.progress import episode_progress
 
     config = _eval_config(args, args.split)
+    _prepare(args.policy)
     policy = load_policy(args.policy, _sampling(args), env_id=config.env_id)
     if args.self_critique:
         from agents.self_critique import evaluate_with_self_critique
@@ -144,8 +157,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_tiny(args: argparse.Namespace) -> int:
-    from agents.embedded import build_embedded_model
+    from trainer.embedded import build_embedded_model, ensure_embedded_model
 
+    if args.out is None:
+        path = ensure_embedded_model()
+        console.print(f"tiny model ready in [bold]{path}[/bold]; use it as --model tiny or --policy hf:tiny")
+        return 0
     path = build_embedded_model(Path(args.out), seed=args.seed)
     console.print(f"tiny model saved to [bold]{path}[/bold]; load it with --policy hf:{path}")
     return 0
@@ -161,11 +178,12 @@ def cmd_model(args: argparse.Namespace) -> int:
 
 def cmd_sft(args: argparse.Namespace) -> int:
     from agents.demos import demonstrations, refinement_demos
-    from agents.sft import sft
+    from trainer.sft import sft
 
     demos = demonstrations(args.env, args.env_kwargs, episodes=args.episodes, seed=args.seed, imperfect=args.imperfect)
     if args.refinements:
         demos += refinement_demos(args.env, args.env_kwargs, episodes=args.refinements, seed=args.seed + 1)
+    _prepare(args.model)
     stats = sft(args.model.removeprefix("hf:"), demos, args.out, epochs=args.epochs, lr=args.lr, time_budget_s=args.time_budget or None, seed=args.seed)
     console.print_json(data=stats)
     console.print(f"warm-started model saved to [bold]{args.out}[/bold]; load it with --policy hf:{args.out}")
@@ -202,6 +220,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if len(specs) < 2:
         raise UsageError("give --before and --after, or --policy at least twice")
     config = _eval_config(args, "test")
+    _prepare(*specs)
     arms = [(spec, load_policy(spec, _sampling(args), env_id=config.env_id)) for spec in specs]
     result = compare(arms, config, on_arm=lambda label: console.print(f"evaluating [bold]{label}[/bold] ..."))
     table = Table("policy", "success", "mean reward", "top critique codes", title=f"{config.env_id} {config.env_kwargs}")

@@ -39,6 +39,7 @@ from envs.registration import make
 from trainer.checkpoint import latest_checkpoint, load_state, save_checkpoint
 from trainer.config import TrainConfig
 from trainer.distributed import World, check_divisible, close_world, global_normalizer, init_world
+from trainer.embedded import prepare_models
 from trainer.finite import check_finite
 from trainer.losses import policy_loss, unified_advantages
 from trainer.metrics import HackingMonitor, MetricsLog, Outcome, env_metrics, plot_curve, rollout_metrics
@@ -93,6 +94,7 @@ def setup(config: TrainConfig, *, make_env: EnvFactory | None = None, resume: bo
     if resume and checkpoint is None:
         warnings.warn(f"resume: no checkpoint under {out / 'checkpoints'} yet; starting from step 0", stacklevel=2)
     torch.manual_seed(config.seed)
+    prepare_models(config.model, config.critique.removeprefix("model:") if config.critique.startswith("model:") else None)
     policy = HFPolicy.from_pretrained(checkpoint or config.model_path, temperature=config.temperature, top_p=config.top_p, max_new_tokens=config.max_new_tokens, seed=config.seed)
     if config.lora_r > 0:
         policy.model = _with_lora(policy.model, config.lora_r)

@@ -58,11 +58,12 @@ def run(out: Path, plan: QuickstartPlan = QuickstartPlan(), *, console: Console 
     from agents.hf import HFPolicy
     from agents.pretrained import resolve_model
     from agents.prompting import PromptedPolicy
-    from agents.sft import sft
     from trainer.compare import compare
     from trainer.config import TrainConfig
+    from trainer.embedded import prepare_models
     from trainer.grpo import train
     from trainer.report import write_reports
+    from trainer.sft import sft
 
     console = console or Console()
     out = Path(out)
@@ -75,6 +76,7 @@ def run(out: Path, plan: QuickstartPlan = QuickstartPlan(), *, console: Console 
         console.print(f"[green]done[/green] {name} in {timings[name]:.0f}s (total {time.perf_counter() - started:.0f}s)")
 
     console.rule(f"1/4 the pretrained model: {plan.model}")
+    prepare_models(plan.model)
     base = resolve_model(plan.model)
     phase("model")
 

@@ -48,7 +48,7 @@ def test_refinement_demos_fix_the_critiqued_attempt_and_solve_the_task(difficult
 
 
 def test_cli_sft_mixes_in_refinement_demos(monkeypatch, tmp_path) -> None:
-    import agents.sft
+    import trainer.sft
     from cgym.cli import main
 
     seen: list = []
@@ -57,7 +57,7 @@ def test_cli_sft_mixes_in_refinement_demos(monkeypatch, tmp_path) -> None:
         seen.extend(demos)
         return {"steps": 0}
 
-    monkeypatch.setattr(agents.sft, "sft", fake_sft)
+    monkeypatch.setattr(trainer.sft, "sft", fake_sft)
     args = ["sft", "--env", ENV, "--env-kwargs", '{"difficulty": "easy"}', "--model", "m", "--out", str(tmp_path), "--episodes", "4"]
     assert main([*args, "--refinements", "12"]) == 0
     refinements = [messages for messages, _ in seen if REFINE_INSTRUCTION in messages[1]["content"]]

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from agents.demos import demonstrations
-from agents.sft import sft
 from cgym.cli import main
+from trainer.sft import sft
 
 pytestmark = pytest.mark.slow
 

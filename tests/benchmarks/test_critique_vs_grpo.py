@@ -48,12 +48,12 @@ def test_task_split_counts_tasks_solved_never_sometimes_always() -> None:
 
 def test_sft_arm_trains_for_the_budget_on_unseen_demos_and_reports_like_the_other_arms(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     import agents.demos
-    import agents.sft
     import benchmarks.critique_vs_grpo as bench
+    import trainer.sft
 
     seen: dict = {}
     monkeypatch.setattr(agents.demos, "demonstrations", lambda env_id, kwargs, *, episodes, seed: seen.update(env=env_id, seed=seed) or ["demo"])
-    monkeypatch.setattr(agents.sft, "sft", lambda model, demos, out, **kw: seen.update(budget=kw["time_budget_s"]) or {"steps": 3, "seconds": 42.0, "tokens": 900})
+    monkeypatch.setattr(trainer.sft, "sft", lambda model, demos, out, **kw: seen.update(budget=kw["time_budget_s"]) or {"steps": 3, "seconds": 42.0, "tokens": 900})
     monkeypatch.setattr(bench, "test_success", lambda model, setting: {"success_rate": 0.5})
     setting = bench.Setting("m", "medium", 120.0, 0, 16, 8, 2, tmp_path, env_id=bench.ENVS["sql"])
     run = bench.run_sft_arm(1, setting, start=0.25)

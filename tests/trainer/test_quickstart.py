@@ -33,7 +33,7 @@ def test_quickstart_writes_the_reports_and_the_figures(tmp_path: Path, tiny_chat
 def test_embedded_model_drills_mix_copies_and_look_ups(monkeypatch, tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 
-    import agents.embedded as pipeline
+    import trainer.embedded as pipeline
 
     seen: list = []
     monkeypatch.setattr(pipeline, "fit", lambda model, drills, out, **kwargs: seen.extend(drills))

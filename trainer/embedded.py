@@ -1,4 +1,4 @@
-"""The embedded default model: a tokenizer trained on env text and a tiny Qwen2, built here.
+"""The embedded tiny model: a tokenizer trained on env text and a tiny Qwen2, built here.
 
 `cgym tiny` = train the BPE on scripted transcripts of every built-in env (~5 s), initialise the
 model, then pre-train it for a short while on synthetic drills (`agents.tiny.copy_drills` and
@@ -13,9 +13,10 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from agents.demos import Demo, corpus, demonstrations
-from agents.sft import fit
+from agents.pretrained import EMBEDDED_MODEL, publish_built
 from agents.tiny import build_tiny, copy_drills, lookup_drills
 from envs.registration import registered
+from trainer.sft import fit
 
 # Two layers with a key/value head per query head: copy circuits form much faster than with 4
 # layers and 2 kv heads (short copy drills, ~60 s on 2 cores: loss 1.7 after 1,000 steps vs 4.2
@@ -52,3 +53,15 @@ def build_embedded_model(out: Path, *, seed: int = 0, copy_steps: int | None = N
         drills += lookup_drills(tokenizer, lookups, seed=seed)
         fit(out, drills, out, epochs=1.0, lr=COPY_PRETRAIN["lr"], batch_size=batch_size, seed=seed, progress=progress, label="drills")
     return out
+
+
+def ensure_embedded_model(*, progress: bool = True) -> Path:
+    """The embedded model's cached directory, built there once (about a minute on 2 cores)."""
+    return publish_built(EMBEDDED_MODEL, lambda directory: build_embedded_model(directory, progress=progress))
+
+
+def prepare_models(*specs: str | None, progress: bool = True) -> None:
+    """Build the embedded model first if any policy or model spec names it (`tiny`, `hf:tiny`),
+    so that the policy layer, which only loads models, finds it in the cache."""
+    if any(spec is not None and str(spec).removeprefix("hf:") == EMBEDDED_MODEL for spec in specs):
+        ensure_embedded_model(progress=progress)
