@@ -108,6 +108,8 @@ class TrainConfig:
     """Groups sampled together in one batch, for rollouts and refinements alike (0: all of a
     process's groups of an env at once). Each batch's sampler is seeded by (seed, step, its first
     group), so with 1 a run samples the same under any number of torchrun processes."""
+    workers: int = 1
+    """Threads stepping a batch's envs, in rollouts and evaluations (pays when tools wait on I/O; 1: inline)."""
     lora_r: int = 0
     """LoRA rank via peft (needs the lora extra; 0: full fine-tuning)."""
     trainable: Trainable = "all"
@@ -139,7 +141,7 @@ class TrainConfig:
             raise ConfigError(f"env_kwargs is keyed by env id but lacks {missing[0]!r}; give every env an entry (an empty {{}} is fine)")
 
     def _range_checks(self) -> list[tuple[bool, str]]:
-        at_least_one = ("steps", "tasks_per_step", "micro_batch_size", "num_iterations", "refine_attempts")
+        at_least_one = ("steps", "tasks_per_step", "micro_batch_size", "num_iterations", "refine_attempts", "workers")
         at_least_zero = ("rollout_groups", "task_pool", "eval_episodes", "eval_every", "save_every", "warmup_steps", "seed", "lora_r", "refine_k", "time_budget_s", "weight_decay", "beta", "eval_temperature", "epsilon_low", "epsilon_high")
         return [
             *((getattr(self, n) >= 1, f"{n} must be >= 1, got {getattr(self, n)}") for n in at_least_one),

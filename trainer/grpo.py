@@ -251,7 +251,7 @@ def _play(state: TrainState, jobs: list[tuple[int, str, int]], step: int, *, res
     for env_id, first, part in _batches(state.config, jobs, group=lambda job: job[0], env=lambda job: job[1]):
         _seed_sampler(state, step, first, salt=int(resampled))
         seeds = [seed for _, _, seed in part for _ in range(g)]
-        results = run_episodes(partial(state.make_env, "train", env_id), state.policy, seeds, batch_size=len(seeds), pool=state.pool(env_id))
+        results = run_episodes(partial(state.make_env, "train", env_id), state.policy, seeds, batch_size=len(seeds), pool=state.pool(env_id), workers=state.config.workers)
         for i, (group, _, _) in enumerate(part):
             done[group] = [Trajectory.from_result(r, group) for r in results[i * g : (i + 1) * g]]
     return [t for group, _, _ in jobs for t in done[group]]
@@ -431,7 +431,7 @@ def _evaluate_env(state: TrainState, env_id: str, episodes: int | None) -> dict[
     policy = HFPolicy(state.model, state.policy.tokenizer, temperature=cfg.eval_temperature, top_p=1.0, max_new_tokens=cfg.max_new_tokens, seed=EVAL_SEED)
     was_training = state.model.training
     state.model.eval()
-    config = EvalConfig(env_id, cfg.kwargs_for(env_id, "test"), episodes=episodes or cfg.eval_episodes, seed=EVAL_SEED, batch_size=64)
+    config = EvalConfig(env_id, cfg.kwargs_for(env_id, "test"), episodes=episodes or cfg.eval_episodes, seed=EVAL_SEED, batch_size=64, workers=cfg.workers)
     summary, _ = evaluate(policy, config)
     state.model.train(was_training)
     return summary

@@ -94,6 +94,24 @@ def test_resume_continues_exactly(tiny_model: Path, tmp_path: Path) -> None:
         assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), key
 
 
+def test_env_workers_reach_the_rollout_and_leave_the_step_unchanged(tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`workers` steps the rollout's envs on threads; the step's figures are those of 1 worker."""
+    import trainer.grpo
+
+    seen: list[int] = []
+    real = trainer.grpo.run_episodes
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["workers"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(trainer.grpo, "run_episodes", spy)
+    rows = [train_step(setup(_config(tiny_model, tmp_path / f"w{n}", workers=n), make_env=_toy), 1) for n in (1, 3)]
+    assert seen == [1, 3]
+    for key in ("reward_mean", "loss", "train_tokens"):
+        assert rows[0][key] == pytest.approx(rows[1][key], rel=1e-5, abs=1e-6), key
+
+
 def test_micro_batch_split_does_not_change_the_update(tiny_model: Path, tmp_path: Path) -> None:
     """Same rollout, 1 vs 4 micro-batches: same loss and same gradient (SGD with lr 1 exposes it)."""
     rows = []
