@@ -38,9 +38,11 @@ import gymnasium as gym
 import numpy as np
 import torch
 
-from agents.embedded import TINY_SIZES
+from agents.precision import compute_dtype
+from agents.pretrained import resolve_model
 from benchmarks.output import emit
 from envs.registration import make
+from trainer.embedded import TINY_SIZES
 from trainer.losses import LossType, check_loss_type
 
 ENV_ID = "cgym/SqlQuery-v0"
@@ -70,6 +72,8 @@ class BenchConfig:
     """SQL demonstrations whose text trains the tiny tokenizer (plus a quarter as many API ones)."""
     threads: int = 2
     """torch CPU threads, for both."""
+    trl_bf16: bool = False
+    """Give TRL its `bf16=True` (autocast on CPU); ours runs bf16 where the CPU has it either way."""
     seed: int = 0
     """Seeds the task draw, sampling and TRL's trainer."""
 
@@ -191,7 +195,7 @@ def trl_trainer(config: BenchConfig, model_dir: Path, out: Path, rows: list[dict
         learning_rate=config.learning_rate, lr_scheduler_type="constant", warmup_steps=0,
         optim="adamw_torch", weight_decay=0.0, max_grad_norm=1.0,
         temperature=1.0, top_p=1.0, top_k=0, shuffle_dataset=False, seed=config.seed,
-        use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
+        use_cpu=True, bf16=config.trl_bf16, fp16=False, gradient_checkpointing=False,
         report_to=[], logging_strategy="no", save_strategy="no", eval_strategy="no", disable_tqdm=True,
     )  # fmt: skip
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
@@ -254,7 +258,7 @@ def run(*, vs: str = "trl", steps: int = 5, **kw: Any) -> dict[str, Any]:
 
     with tempfile.TemporaryDirectory(prefix="cgym-bench-trl-") as tmp:
         root = Path(tmp)
-        model_dir = Path(config.model) if config.model else build_model(root / "model", config)
+        model_dir = Path(resolve_model(config.model)) if config.model else build_model(root / "model", config)
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         seeds = task_seeds(config, steps + WARMUP_STEPS)
         rows = prompt_rows(seeds, tokenizer)
@@ -286,6 +290,8 @@ def run(*, vs: str = "trl", steps: int = 5, **kw: Any) -> dict[str, Any]:
         "env_kwargs": ENV_KWARGS,
         "config": {**asdict(config), "model": config.model or "embedded tiny (random init)"},
         "torch_threads": torch.get_num_threads(),
+        "ours_dtype": f"{str(compute_dtype()).removeprefix('torch.')} sampling and autocast, fp32 master weights",
+        "trl_dtype": "bf16 autocast, fp32 master weights" if config.trl_bf16 else "float32",
         "load_avg_1min": {"start": load_start, "end": round(os.getloadavg()[0], 2)},
         "versions": {name: importlib.metadata.version(name) for name in ("trl", "transformers", "torch")},
     }
@@ -294,12 +300,13 @@ def run(*, vs: str = "trl", steps: int = 5, **kw: Any) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5, help="timed steps per trainer (after one warm-up)")
-    parser.add_argument("--model", help="start from this model directory instead of building the tiny one")
+    parser.add_argument("--model", help="start from this model (a directory or a short name such as smollm2-135m) instead of a random-init tiny one")
     parser.add_argument("--group-size", type=int, default=BenchConfig.group_size)
     parser.add_argument("--tasks-per-step", type=int, default=BenchConfig.tasks_per_step)
     parser.add_argument("--max-new-tokens", type=int, default=BenchConfig.max_new_tokens)
     parser.add_argument("--loss-type", default=BenchConfig.loss_type)
     parser.add_argument("--threads", type=int, default=BenchConfig.threads, help="torch CPU threads for both")
+    parser.add_argument("--trl-bf16", action="store_true", help="give TRL its bf16 option (autocast on CPU)")
     parser.add_argument("--json", type=Path, help="write the result here")
     args = parser.parse_args(argv)
     import envs  # noqa: F401 - registers the built-in envs
@@ -307,6 +314,7 @@ def main(argv: list[str] | None = None) -> None:
     result = run(
         steps=args.steps, model=args.model, group_size=args.group_size, tasks_per_step=args.tasks_per_step,
         max_new_tokens=args.max_new_tokens, loss_type=args.loss_type, threads=args.threads,
+        trl_bf16=args.trl_bf16,
     )  # fmt: skip
     emit(result, args.json)
 

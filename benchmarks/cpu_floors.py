@@ -1,0 +1,197 @@
+"""Issue 15's figures with their compute floors: a GRPO step and a greedy eval, timed, with the
+FLOPs of the tokens they ran and this CPU's matmul peak measured in the same run.
+
+    python -m benchmarks.cpu_floors --model runs/sft_easy --json benchmarks/results/cpu_floors_smollm2.json
+
+Every forward call of a causal LM is counted by a global forward pre-hook (rows x new tokens,
+the keys each attends to, the LM-head columns kept, and whether autograd is recording, which
+means a backward of twice the forward's cost follows). FLOPs are the usual dense estimate:
+2 x non-embedding parameters per token, 4 x layers x hidden x keys per token for attention, 2 x
+hidden x vocab per LM-head column; padding counts, since it is computed. The floor of a figure is
+its FLOPs divided by the measured bf16 matmul peak (the dtype both phases run in on this CPU);
+`distance` = measured / floor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.output import emit
+
+ENV_ID = "cgym/ApiReport-v0"
+ENV_KWARGS: dict[str, Any] = {"difficulty": "easy"}
+
+
+@dataclass
+class FlopCount:
+    """FLOPs of the causal-LM forward calls seen, split by whether a backward follows."""
+
+    inference: float = 0.0
+    training: float = 0.0  # forward + backward (3x the forward)
+    tokens: dict[str, int] = field(default_factory=lambda: {"inference": 0, "training": 0})
+
+    @property
+    def total(self) -> float:
+        return self.inference + self.training
+
+
+def forward_flops(model: Any, rows: int, new: int, keys: int, head_columns: int) -> float:
+    """Dense FLOPs of one forward: `rows` x `new` tokens, each attending to about `keys` keys."""
+    cfg = model.config
+    embedding = cfg.vocab_size * cfg.hidden_size
+    body = sum(p.numel() for p in model.parameters()) - embedding * (1 if cfg.tie_word_embeddings else 2)
+    causal_keys = keys - (new - 1) / 2  # a prefill's queries see on average half their own block
+    return rows * (2 * body * new + 4 * cfg.num_hidden_layers * cfg.hidden_size * new * causal_keys + 2 * cfg.hidden_size * cfg.vocab_size * head_columns)
+
+
+@contextmanager
+def counting_flops(model_class: type) -> Iterator[FlopCount]:
+    """Count every forward of `model_class` (a causal LM: the trained model, the sampler's bf16
+    copy and the eval policy's alike) while the block runs."""
+    count = FlopCount()
+    original = model_class.forward
+
+    def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is not None:
+            rows, new = ids.shape
+            mask = kwargs.get("attention_mask")
+            past = next((v for v in kwargs.values() if hasattr(v, "get_seq_length")), None)
+            keys = new + (int(past.get_seq_length()) if past is not None else 0)
+            if mask is not None and mask.dim() == 2:
+                keys = mask.shape[-1]
+            keep = kwargs.get("logits_to_keep", 0)
+            columns = new if isinstance(keep, int) and keep == 0 else (keep if isinstance(keep, int) else len(keep))
+            flops = forward_flops(self, rows, new, keys, columns)
+            phase = "training" if torch.is_grad_enabled() and not torch.is_inference_mode_enabled() else "inference"
+            setattr(count, phase, getattr(count, phase) + (3 * flops if phase == "training" else flops))
+            count.tokens[phase] += rows * new
+        return original(self, *args, **kwargs)
+
+    model_class.forward = forward
+    try:
+        yield count
+    finally:
+        model_class.forward = original
+
+
+def matmul_peak_gflops(dtype: torch.dtype, *, m: int = 2048, k: int = 576, n: int = 1536, repeats: int = 20) -> float:
+    """Best-of GFLOP/s of an (m, k) x (k, n) matmul, SmolLM2's MLP shape, in `dtype`."""
+    a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    best = min(_timed(lambda: a @ b) for _ in range(repeats))
+    return 2 * m * k * n / best / 1e9
+
+
+def _timed(work: Any) -> float:
+    start = time.perf_counter()
+    work()
+    return time.perf_counter() - start
+
+
+def figure(seconds: float, count: FlopCount, peak_gflops: float) -> dict[str, Any]:
+    floor = count.total / (peak_gflops * 1e9)
+    return {
+        "seconds": round(seconds, 2),
+        "tflops": round(count.total / 1e12, 3),
+        "tflops_inference": round(count.inference / 1e12, 3),
+        "tflops_training": round(count.training / 1e12, 3),
+        "tokens": dict(count.tokens),
+        "floor_s": round(floor, 2),
+        "distance": round(seconds / floor, 2) if floor else None,
+        "effective_gflops": round(count.total / seconds / 1e9, 1),
+    }
+
+
+def grpo_steps(model: str, steps: int, out: Path) -> tuple[list[float], list[FlopCount], list[dict[str, Any]]]:
+    """`steps` GRPO steps of 4 tasks x 8 on ApiReport easy after one warm-up step."""
+    from trainer.config import TrainConfig
+    from trainer.grpo import setup, train_step
+
+    config = TrainConfig(env_id=ENV_ID, env_kwargs=ENV_KWARGS, model=model, out=str(out), group_size=8, tasks_per_step=4, eval_episodes=0, progress=False)
+    state = setup(config)
+    times, counts, rows = [], [], []
+    for step in range(1, steps + 2):
+        with counting_flops(type(state.model)) as count:
+            start = time.perf_counter()
+            row = train_step(state, step)
+            elapsed = time.perf_counter() - start
+        if step > 1:
+            times.append(elapsed)
+            counts.append(count)
+            rows.append({k: row[k] for k in ("step_time_s", "rollout_time_s", "train_tokens", "success_rate") if k in row})
+    return times, counts, rows
+
+
+def greedy_eval(model: str, episodes: int) -> tuple[float, FlopCount, float]:
+    from agents.evaluate import EvalConfig, evaluate
+    from agents.hf import HFPolicy
+    from trainer.grpo import EVAL_SEED
+
+    policy = HFPolicy.from_pretrained(model, temperature=0.0)
+    with counting_flops(type(policy.model)) as count:
+        start = time.perf_counter()
+        summary, _ = evaluate(policy, EvalConfig(ENV_ID, {**ENV_KWARGS, "split": "test"}, episodes=episodes, seed=EVAL_SEED, batch_size=64))
+        elapsed = time.perf_counter() - start
+    return elapsed, count, summary["success_rate"]
+
+
+def run(model: str, *, steps: int, episodes: int) -> dict[str, Any]:
+    from agents.precision import compute_dtype
+    from trainer.embedded import prepare_models
+
+    prepare_models(model)
+    load = round(os.getloadavg()[0], 2)
+    peaks = {str(d).removeprefix("torch."): round(matmul_peak_gflops(d), 1) for d in (torch.bfloat16, torch.float32)}
+    peak = peaks[str(compute_dtype()).removeprefix("torch.")]
+    eval_s, eval_count, success = greedy_eval(model, episodes)
+    with tempfile.TemporaryDirectory(prefix="cgym-floors-") as tmp:
+        times, counts, rows = grpo_steps(model, steps, Path(tmp))
+    median = sorted(range(len(times)), key=times.__getitem__)[len(times) // 2] if times else None
+    result: dict[str, Any] = {
+        "model": model,
+        "env": ENV_ID,
+        "env_kwargs": ENV_KWARGS,
+        "threads": torch.get_num_threads(),
+        "compute_dtype": str(compute_dtype()).removeprefix("torch."),
+        "matmul_peak_gflops": peaks,
+        "eval": {"episodes": episodes, "success_rate": success, **figure(eval_s, eval_count, peak)},
+        "load_avg_1min": {"start": load},
+    }
+    if median is not None:
+        result["grpo_step"] = {
+            "tasks_x_group": "4 x 8",
+            "steps_timed": len(times),
+            "steps_s": [round(t, 2) for t in times],
+            "rows": rows,
+            **figure(times[median], counts[median], peak),
+        }
+    result["load_avg_1min"]["end"] = round(os.getloadavg()[0], 2)
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, help="an SFT'd model directory (or a short name)")
+    parser.add_argument("--steps", type=int, default=2, help="timed GRPO steps, after one warm-up step")
+    parser.add_argument("--episodes", type=int, default=100, help="greedy eval episodes")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    import envs  # noqa: F401 - registers the built-in envs
+
+    emit(run(args.model, steps=args.steps, episodes=args.episodes), args.json)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+"""The FLOP accounting behind issue 15's compute floors: every forward is counted, once, by phase."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from agents.tiny import build_tiny
+from benchmarks.cpu_floors import counting_flops, figure, forward_flops
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> torch.nn.Module:
+    corpus = [f"row {i} value {i * 7}" for i in range(100)]
+    path = build_tiny(tmp_path_factory.mktemp("tiny"), corpus, vocab_size=300, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, max_positions=128)
+    return AutoModelForCausalLM.from_pretrained(path)
+
+
+def test_forward_flops_is_linear_in_rows_and_grows_with_keys(model: torch.nn.Module) -> None:
+    one = forward_flops(model, 1, 1, 10, 1)
+    assert forward_flops(model, 4, 1, 10, 1) == pytest.approx(4 * one)
+    assert forward_flops(model, 1, 1, 20, 1) > one
+    body = sum(p.numel() for p in model.parameters()) - model.config.vocab_size * model.config.hidden_size
+    assert one > 2 * body  # the body, plus attention and the LM head
+
+
+def test_counting_splits_inference_from_training_and_restores_forward(model: torch.nn.Module) -> None:
+    cls = type(model)
+    original = cls.forward
+    ids = torch.randint(0, model.config.vocab_size, (3, 8))
+    with counting_flops(cls) as count:
+        with torch.inference_mode():
+            model(input_ids=ids)
+        model(input_ids=ids).logits.sum().backward()
+    assert cls.forward is original
+    assert count.tokens == {"inference": 24, "training": 24}
+    assert count.training == pytest.approx(3 * count.inference)
+    row = figure(2.0, count, peak_gflops=100.0)
+    assert row["floor_s"] == pytest.approx(count.total / 1e11, abs=0.01)
+    assert row["distance"] == pytest.approx(2.0 / (count.total / 1e11), rel=0.05)
