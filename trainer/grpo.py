@@ -18,7 +18,7 @@ import json
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
@@ -95,7 +95,7 @@ def setup(config: TrainConfig, *, make_env: EnvFactory | None = None, resume: bo
         warnings.warn(f"resume: no checkpoint under {out / 'checkpoints'} yet; starting from step 0", stacklevel=2)
     torch.manual_seed(config.seed)
     prepare_models(config.model, config.critique.removeprefix("model:") if config.critique.startswith("model:") else None)
-    policy = HFPolicy.from_pretrained(checkpoint or config.model_path, temperature=config.temperature, top_p=config.top_p, max_new_tokens=config.max_new_tokens, seed=config.seed)
+    policy = HFPolicy.from_pretrained(checkpoint or config.model_path, **asdict(config.sampling))
     if config.lora_r > 0:
         policy.model = _with_lora(policy.model, config.lora_r)
     freeze_except(policy.model, config.trainable)
