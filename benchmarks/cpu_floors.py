@@ -15,6 +15,7 @@ its FLOPs divided by the measured bf16 matmul peak (the dtype both phases run in
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import tempfile
 import time
@@ -61,6 +62,10 @@ def counting_flops(model_class: type) -> Iterator[FlopCount]:
     count = FlopCount()
     original = model_class.forward
 
+    # `wraps` keeps the forward's signature visible (inspect follows __wrapped__): the sampler and
+    # the loss pass read it to find `logits_to_keep` and the cache argument, and without them they
+    # fall back to full-vocabulary heads and unshared prompts, which is not the code being measured.
+    @functools.wraps(original)
     def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
         ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is not None:

@@ -39,3 +39,19 @@ def test_counting_splits_inference_from_training_and_restores_forward(model: tor
     row = figure(2.0, count, peak_gflops=100.0)
     assert row["floor_s"] == pytest.approx(count.total / 1e11, abs=0.01)
     assert row["distance"] == pytest.approx(2.0 / (count.total / 1e11), rel=0.05)
+
+
+def test_counting_keeps_the_signature_the_fast_paths_read(model: torch.nn.Module) -> None:
+    """The sampler and the loss pass choose `logits_to_keep` and shared prompts from the forward's
+    signature; counting must not hide it, or the benchmark times slower code than it names."""
+    import inspect
+
+    from agents.sampling import _forward_kwargs
+
+    cls = type(model)
+    plain = set(inspect.signature(cls.forward).parameters)
+    _forward_kwargs.cache_clear()
+    with counting_flops(cls):
+        assert set(inspect.signature(cls.forward).parameters) == plain
+        assert _forward_kwargs(cls)[1], "logits_to_keep must stay visible"
+    _forward_kwargs.cache_clear()
