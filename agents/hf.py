@@ -97,6 +97,10 @@ class HFPolicy:
             raise ModelLoadError(f"cannot load the model {str(name_or_path)!r}: {reason}") from None
         return cls(model, tokenizer, device=device, name=f"hf:{name_or_path}", **kw)
 
+    def reseed(self, seed: int) -> None:
+        """Seed the sampler: the same `act` calls after the same seed give the same turns."""
+        self.generator.manual_seed(seed)
+
     @property
     def stop_ids(self) -> set[int]:
         """End-of-turn, the tokenizer's eos and the generation config's eos ids."""

@@ -168,7 +168,7 @@ class OpenAIPolicy:
             return list(pool.map(self._act_one, batch))
 
     def _act_one(self, conversation: Conversation) -> Turn:
-        data = self._post(self.request_body(conversation))
+        data = self.post(self.request_body(conversation))
         return turn_from_response(data)
 
     def request_body(self, conversation: Conversation) -> dict[str, Any]:
@@ -189,8 +189,10 @@ class OpenAIPolicy:
 
     # ---- HTTP with retries ----
 
-    def _post(self, body: dict[str, Any]) -> dict[str, Any]:
-        url = f"{self.base_url}/chat/completions"
+    def post(self, body: dict[str, Any], endpoint: str = "chat/completions") -> dict[str, Any]:
+        """POST `body` to `{base_url}/{endpoint}` with this policy's retries, deadline and reply cap;
+        the reply's JSON object (`PolicyError` when there is none)."""
+        url = f"{self.base_url}/{endpoint}"
         headers = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
         deadline = self._clock() + self.deadline_s
         last_problem = ""

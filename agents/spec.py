@@ -10,7 +10,7 @@ import inspect
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 from agents.base import Policy
 from envs.errors import CgymError, ConfigError, did_you_mean
@@ -26,6 +26,9 @@ SPEC_FORMS = (
     " a Policy object is used as it is; the module is imported from the current directory or sys.path)",
 )
 KINDS = ("scripted", "hf", "openai", "vllm", "guarded", "prompted", "py")
+ServedEngine = Literal["transformers", "vllm"]
+"""The servers that training rollouts can come from, with a weight push each (see `agents.served`)."""
+SERVED_ENGINES: tuple[str, ...] = get_args(ServedEngine)
 
 
 class PolicySpecError(CgymError, ValueError):

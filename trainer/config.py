@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
-from agents.spec import SamplingOptions
+from agents.spec import SERVED_ENGINES, SamplingOptions, ServedEngine
 from envs.errors import ConfigError, did_you_mean
 
 LossType = Literal["grpo", "bnpo", "dapo", "dr_grpo"]
@@ -110,6 +110,18 @@ class TrainConfig:
     group), so with 1 a run samples the same under any number of torchrun processes."""
     workers: int = 1
     """Threads stepping a batch's envs, in rollouts and evaluations (pays when tools wait on I/O; 1: inline)."""
+    served: str = ""
+    """Sample rollouts and refinements from this OpenAI-compatible server (its /v1 base URL, e.g.
+    http://127.0.0.1:8000/v1) instead of in process. The trainer pushes its weights there every
+    push_every steps, saved under OUT/served/ (a path the server must be able to read); the
+    evaluations still run in process. Empty: sample in process."""
+    served_engine: ServedEngine = "transformers"
+    """The server behind `served`: transformers (transformers serve; each push saves a full
+    checkpoint that the server loads by path) or vllm (vllm serve --enable-lora; each push
+    hot-loads a LoRA adapter, so it needs lora_r > 0)."""
+    push_every: int = 1
+    """With `served`: push the weights every N optimizer steps; rollouts in between sample from
+    weights up to N-1 steps old (metrics log `served/staleness`)."""
     lora_r: int = 0
     """LoRA rank via peft (needs the lora extra; 0: full fine-tuning)."""
     trainable: Trainable = "all"
@@ -118,7 +130,7 @@ class TrainConfig:
     """Show a progress bar."""
 
     def __post_init__(self) -> None:
-        for name, choices in (("loss_type", LOSS_TYPES), ("scale", ADVANTAGE_SCALES), ("zero_std", ZERO_STD), ("trainable", TRAINABLE)):
+        for name, choices in (("loss_type", LOSS_TYPES), ("scale", ADVANTAGE_SCALES), ("zero_std", ZERO_STD), ("trainable", TRAINABLE), ("served_engine", SERVED_ENGINES)):
             _choice(name, getattr(self, name), choices)
         if not (self.critique in CRITIQUE_STYLES or self.critique.startswith("model:")):
             raise ConfigError(f"critique={self.critique!r}: choose one of {list(CRITIQUE_STYLES)} or 'model:<policy-spec>'.{did_you_mean(self.critique, CRITIQUE_STYLES)}")
@@ -141,7 +153,7 @@ class TrainConfig:
             raise ConfigError(f"env_kwargs is keyed by env id but lacks {missing[0]!r}; give every env an entry (an empty {{}} is fine)")
 
     def _range_checks(self) -> list[tuple[bool, str]]:
-        at_least_one = ("steps", "tasks_per_step", "micro_batch_size", "num_iterations", "refine_attempts", "workers")
+        at_least_one = ("steps", "tasks_per_step", "micro_batch_size", "num_iterations", "refine_attempts", "workers", "push_every")
         at_least_zero = ("rollout_groups", "task_pool", "eval_episodes", "eval_every", "save_every", "warmup_steps", "seed", "lora_r", "refine_k", "time_budget_s", "weight_decay", "beta", "eval_temperature", "epsilon_low", "epsilon_high")
         return [
             *((getattr(self, n) >= 1, f"{n} must be >= 1, got {getattr(self, n)}") for n in at_least_one),
@@ -151,6 +163,8 @@ class TrainConfig:
             (self.max_grad_norm > 0, f"max_grad_norm must be > 0, got {self.max_grad_norm}"),
             (self.gamma > 0, f"gamma must be > 0, got {self.gamma}"),
             (0 < self.refine_fail_fraction <= 1, f"refine_fail_fraction must be in (0, 1], got {self.refine_fail_fraction}"),
+            (not self.served or self.served.startswith(("http://", "https://")), f"served must be an http(s) base URL such as http://127.0.0.1:8000/v1, got {self.served!r}"),
+            (not self.served or self.served_engine != "vllm" or self.lora_r > 0, "served_engine='vllm' hot-loads LoRA adapters each push: set lora_r > 0 (or serve with transformers serve)"),
         ]
 
     @property

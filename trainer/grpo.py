@@ -8,7 +8,9 @@ Under torchrun every rank draws the same tasks (from (seed, step)) and rolls out
 of whole groups; advantages, the loss normaliser and the metrics are global, and gradients are
 summed across ranks before each optimizer step (see `trainer.distributed`). Rank 0 writes the
 metrics and checkpoints and runs the evaluations. Several envs (`TrainConfig.envs`) mix in one
-run: each group's env is drawn by weight, and metrics and evaluations are reported per env.
+run: each group's env is drawn by weight, and metrics and evaluations are reported per env. With
+`TrainConfig.served`, rollouts and refinements come from a server that the trainer pushes its
+weights to (`agents.served`); the update and the evaluations stay in process.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from agents.evaluate import EvalConfig, evaluate
 from agents.hf import HFPolicy
 from agents.precision import autocast
 from agents.sampling import sequence_logprobs
+from agents.served import ServedPolicy
 from envs.errors import ConfigError
 from envs.registration import make
 from trainer.checkpoint import latest_checkpoint, load_state, save_checkpoint
@@ -68,10 +71,16 @@ class TrainState:
     start_step: int = 0
     world: World = field(default_factory=World)
     pools: dict[str, list[gym.Env]] = field(default_factory=dict)  # train-split envs reused across steps
+    served: ServedPolicy | None = None  # the server that samples rollouts, when TrainConfig.served is set
 
     @property
     def model(self) -> torch.nn.Module:
         return self.policy.model
+
+    @property
+    def sampler(self) -> HFPolicy | ServedPolicy:
+        """What samples rollouts and refinements: the server, or the policy in process."""
+        return self.served or self.policy
 
     def make_env(self, split: str, env_id: str | None = None) -> gym.Env:
         return self.factories[env_id or self.config.env_ids[0]](split)
@@ -111,7 +120,19 @@ def setup(config: TrainConfig, *, make_env: EnvFactory | None = None, resume: bo
     max_turns = max(_max_turns(factory) for factory in factories.values())
     reference = copy.deepcopy(policy.model).eval().requires_grad_(False) if config.beta > 0 else None
     log = MetricsLog(out / "metrics.jsonl")
-    return TrainState(config, policy, optimizer, scheduler, factories, reference, _critic(config), log, HackingMonitor(), config.max_new_tokens * max_turns, start, world)
+    served = _served(config, policy, start, world)
+    return TrainState(config, policy, optimizer, scheduler, factories, reference, _critic(config), log, HackingMonitor(), config.max_new_tokens * max_turns, start, world, served=served)
+
+
+def _served(config: TrainConfig, policy: HFPolicy, step: int, world: World) -> ServedPolicy | None:
+    """The server's sampler, holding the starting weights (or the resumed checkpoint's)."""
+    if not config.served:
+        return None
+    if world.size > 1:
+        raise ConfigError(f"served rollouts run in one process (this run has {world.size}): drop --served or torchrun")
+    served = ServedPolicy(policy.tokenizer, config.served, engine=config.served_engine, **asdict(config.sampling))
+    served.push(policy.model, step, Path(config.out) / "served")
+    return served
 
 
 def _registry_factory(config: TrainConfig, env_id: str) -> EnvFactory:
@@ -200,6 +221,7 @@ def train_step(state: TrainState, step: int) -> dict[str, Any]:
 
     # 4. update: num_iterations passes over micro-batches, one optimizer step per pass
     update = _update(state, batch_trajs, advantages, step) if world.sum([len(batch_trajs)])[0] else {"loss": 0.0}
+    update |= _push(state, step) if state.served else {}
     elapsed = time.perf_counter() - started
     initial, extra = world.sum([sum(t.sampled_tokens for t in trajectories), sum(t.sampled_tokens for t in refined)])
 
@@ -210,6 +232,16 @@ def train_step(state: TrainState, step: int) -> dict[str, Any]:
     warning = state.monitor.update(metrics["hacking/top_quartile_failed"], metrics["hacking/failed_outscoring"])
     if warning:
         row["hacking/warning"] = warning
+    return row
+
+
+def _push(state: TrainState, step: int) -> dict[str, Any]:
+    """Send the new weights to the server every `push_every` steps; how stale this step's rollouts were."""
+    served = state.served
+    assert served is not None and served.weights_step is not None
+    row = {"served/weights_step": served.weights_step, "served/staleness": step - 1 - served.weights_step, "served/prompt_mismatches": served.prompt_mismatches}
+    if step % state.config.push_every == 0:
+        row["served/push_s"] = served.push(state.model, step, Path(state.config.out) / "served")
     return row
 
 
@@ -251,7 +283,7 @@ def _play(state: TrainState, jobs: list[tuple[int, str, int]], step: int, *, res
     for env_id, first, part in _batches(state.config, jobs, group=lambda job: job[0], env=lambda job: job[1]):
         _seed_sampler(state, step, first, salt=int(resampled))
         seeds = [seed for _, _, seed in part for _ in range(g)]
-        results = run_episodes(partial(state.make_env, "train", env_id), state.policy, seeds, batch_size=len(seeds), pool=state.pool(env_id), workers=state.config.workers)
+        results = run_episodes(partial(state.make_env, "train", env_id), state.sampler, seeds, batch_size=len(seeds), pool=state.pool(env_id), workers=state.config.workers)
         for i, (group, _, _) in enumerate(part):
             done[group] = [Trajectory.from_result(r, group) for r in results[i * g : (i + 1) * g]]
     return [t for group, _, _ in jobs for t in done[group]]
@@ -272,7 +304,7 @@ def _batches(cfg: TrainConfig, items: list[T], *, group: Callable[[T], int], env
 def _seed_sampler(state: TrainState, step: int, first_group: int, *, salt: int) -> None:
     """Seed a rollout batch's sampler by (seed, step, what it samples, its first group), never by
     rank: with `rollout_groups` 1 a group samples the same under any number of processes."""
-    state.policy.generator.manual_seed(state.config.seed * 1_000_003 + step + (salt << 32) + (first_group << 34))
+    state.sampler.reseed(state.config.seed * 1_000_003 + step + (salt << 32) + (first_group << 34))
 
 
 def _refine(state: TrainState, trajectories: list[Trajectory], envs: list[str], step: int) -> tuple[list[Trajectory], list[float]]:
@@ -292,7 +324,7 @@ def _refine(state: TrainState, trajectories: list[Trajectory], envs: list[str], 
     refined: list[Trajectory] = []
     for env_id, first, own in _batches(cfg, todo, group=lambda item: item[0].group, env=lambda item: envs[item[0].group]):
         _seed_sampler(state, step, first, salt=2)
-        results = run_refinements(partial(state.make_env, "train", env_id), state.policy, [(t.result, c) for t, c in own], pool=state.pool(env_id))
+        results = run_refinements(partial(state.make_env, "train", env_id), state.sampler, [(t.result, c) for t, c in own], pool=state.pool(env_id))
         refined += [Trajectory.from_result(r, t.group, refined=True) for r, (t, _) in zip(results, own)]
     kept: list[Trajectory] = []
     prompts = {t.group: t.ids[: t.result.conversation.prompt_len] for grp in triggered for t in grp}
@@ -353,9 +385,9 @@ def _update(state: TrainState, trajs: list[Trajectory], advantages: torch.Tensor
     params = [p for p in state.model.parameters() if p.requires_grad]
     totals: dict[str, float] = {"loss": 0.0, "clip_frac_low": 0.0, "clip_frac_high": 0.0, "kl": 0.0, "sampler/logp_diff_max": 0.0}
     # A bf16 sampler's log-probs differ from the training pass's by up to ~0.2 nats (measured on
-    # SmolLM2), which the clip would treat as policy change: then the old log-probs are the
-    # training pass's own, so the first iteration's ratio is exactly 1.
-    own_old = state.policy.sampling_weights.separate
+    # SmolLM2), which the clip would treat as policy change, and a server's may be missing or
+    # stale: then the old log-probs are the training pass's own, so the first iteration's ratio is exactly 1.
+    own_old = state.served is not None or state.policy.sampling_weights.separate
     fixed_old: dict[int, torch.Tensor] = {}
     n_micro = 0
     for iteration in range(cfg.num_iterations):
@@ -373,7 +405,7 @@ def _update(state: TrainState, trajs: list[Trajectory], advantages: torch.Tensor
                 if iteration == 0:
                     fixed_old[start] = logp.detach()
                     sampled = mb.mask.bool() & ~mb.shaped[:, None]  # a refinement was sampled under another prompt
-                    if sampled.any():
+                    if sampled.any() and (state.served is None or state.served.returns_logprobs):
                         totals["sampler/logp_diff_max"] = max(totals["sampler/logp_diff_max"], float((logp.detach() - mb.old_logp)[sampled].abs().max()))
                 old = fixed_old[start]
             loss, stats = policy_loss(
@@ -508,5 +540,7 @@ def _train(config: TrainConfig, world: World, *, make_env: EnvFactory | None, re
         save(state, last, final)
         envs = " + ".join(config.env_ids)
         plot_curve(state.log.rows(), out / "curve.png", title=f"{envs} {config.env_kwargs} ({'critique: ' + config.critique if config.critique != 'none' else 'GRPO'})")
+    if state.served:
+        state.served.close()
     world.barrier()
     return {"steps": last, "train_time_s": time.perf_counter() - started, "before": before, "after": after, "final": str(final), "rank": world.rank}

@@ -1,12 +1,15 @@
-"""OpenAIPolicy against a real `transformers serve` (OpenAI-compatible) running the tiny model.
+"""A real `transformers serve` on 127.0.0.1 with the tiny model: OpenAIPolicy against it, and
+training whose rollouts it samples, with the weights pushed to it every step (`agents.served`).
 
-Needs the serving extra (`pip install 'critique-gym[serving]'`: fastapi, uvicorn, openai) and
-`agents.tiny`; skips with the reason otherwise. Everything runs offline on CPU, on 127.0.0.1.
+Needs fastapi, uvicorn and openai (the serving extra; the test extra has them through
+openenv-core) and `agents.tiny`; skips with the reason otherwise. Offline, CPU only. One server,
+started without a model, serves every test: each request names the model directory it wants.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import signal
 import socket
@@ -14,12 +17,22 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import ClassVar
 
 import httpx
+import numpy as np
 import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from agents.base import Conversation, Turn
 from agents.openai_server import OpenAIPolicy
+from agents.served import ServedPolicy
+from envs.core import AgentEnv, SimpleTask
+from envs.episode import Episode
+from envs.rubric import Check, CheckResult, Rubric
+
+pytestmark = pytest.mark.slow
 
 SERVE_PACKAGES = ("fastapi", "uvicorn", "openai")  # what transformers' is_serve_available() checks
 STARTUP_BUDGET_S = 60.0
@@ -82,52 +95,127 @@ def _stop(process: subprocess.Popen) -> None:
             process.wait(timeout=10)
 
 
-@pytest.mark.slow
-def test_openai_policy_against_transformers_serve(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    """(tiny model directory, base URL) of a `transformers serve` that loads models by path."""
     reason = _missing_requirements()
     if reason:
         pytest.skip(reason)
     from agents.tiny import build_tiny
 
+    root = tmp_path_factory.mktemp("serve")
     started = time.monotonic()
     model_dir = build_tiny(
-        tmp_path / "tiny", CORPUS, vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+        root / "tiny", CORPUS, vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
         max_positions=512, seed=0,
     )
     port = _free_port()
-    log = tmp_path / "serve.log"
+    log = root / "serve.log"
     env = os.environ | {
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
         "HF_HUB_DISABLE_UPDATE_CHECK": "1",
         "HF_HUB_DISABLE_TELEMETRY": "1",
-        "HF_HOME": str(tmp_path / "hf_home"),
+        "HF_HOME": str(root / "hf_home"),
+        "OMP_NUM_THREADS": "1",
     }
     command = [
-        sys.executable, "-m", "transformers.cli.transformers", "serve", str(model_dir),
+        sys.executable, "-m", "transformers.cli.transformers", "serve",
         "--host", "127.0.0.1", "--port", str(port), "--device", "cpu", "--dtype", "float32",
-    ]
+    ]  # fmt: skip
     with log.open("w") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
         _wait_healthy(process, f"http://127.0.0.1:{port}/health", started + STARTUP_BUDGET_S, log)
-        plain = Conversation(messages=[{"role": "user", "content": "Find the customer Ada."}])
-        with_tools = Conversation(
-            messages=[
-                {"role": "system", "content": "You are a shop agent."},
-                {"role": "user", "content": "Find the customer Ada."},
-                {"role": "assistant", "content": CORPUS[1]},
-                {"role": "tool", "name": "search_customers", "content": '[{"id": 7}]'},
-            ],
-            tools=[SEARCH_TOOL],
-        )
-        with OpenAIPolicy(
-            str(model_dir), f"http://127.0.0.1:{port}/v1", max_tokens=12, timeout_s=REQUEST_TIMEOUT_S, max_retries=0
-        ) as policy:
-            turns = policy.act([plain, with_tools])
-        assert len(turns) == 2
-        assert all(isinstance(turn, Turn) and isinstance(turn.text, str) for turn in turns)
-        assert all(turn.token_ids == () for turn in turns)  # a remote policy keeps no token ledger
+        yield model_dir, f"http://127.0.0.1:{port}/v1"
     finally:
         _stop(process)
     assert process.poll() is not None
+
+
+def test_openai_policy_against_transformers_serve(server) -> None:
+    model_dir, base_url = server
+    plain = Conversation(messages=[{"role": "user", "content": "Find the customer Ada."}])
+    with_tools = Conversation(
+        messages=[
+            {"role": "system", "content": "You are a shop agent."},
+            {"role": "user", "content": "Find the customer Ada."},
+            {"role": "assistant", "content": CORPUS[1]},
+            {"role": "tool", "name": "search_customers", "content": '[{"id": 7}]'},
+        ],
+        tools=[SEARCH_TOOL],
+    )
+    with OpenAIPolicy(str(model_dir), base_url, max_tokens=12, timeout_s=REQUEST_TIMEOUT_S, max_retries=0) as policy:
+        turns = policy.act([plain, with_tools])
+    assert len(turns) == 2
+    assert all(isinstance(turn, Turn) and isinstance(turn.text, str) for turn in turns)
+    assert all(turn.token_ids == () for turn in turns)  # a remote policy keeps no token ledger
+
+
+def test_pushed_weights_reach_the_server(server, tmp_path: Path) -> None:
+    """Greedy replies follow each push: the starting weights talk, a model whose head scores every
+    token alike picks id 0 (a special token, which the reply's text leaves out) and says nothing,
+    and the starting weights talk again."""
+    model_dir, base_url = server
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    served = ServedPolicy(tokenizer, base_url, temperature=0.0, max_new_tokens=8, timeout_s=REQUEST_TIMEOUT_S)
+    start = {name: p.detach().clone() for name, p in model.named_parameters()}
+
+    def reply(step: int) -> str:
+        served.push(model, step, tmp_path / "served")
+        return served.act([Conversation(messages=[{"role": "user", "content": CORPUS[0]}])])[0].text
+
+    assert tokenizer.convert_ids_to_tokens(0) in tokenizer.all_special_tokens
+    first = reply(0)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.zero_()
+    silent = reply(1)
+    model.load_state_dict(start, strict=False)
+    again = reply(2)
+    served.close()
+    assert first and silent == "" and again == first
+    assert served.prompt_mismatches == 0  # the server tokenized each prompt to the ledger's length
+    assert sorted(p.name for p in (tmp_path / "served").iterdir()) == ["step-2"]
+
+
+class _OneWord(AgentEnv):
+    """One turn; the reward is the share of 'a' characters in the answer."""
+
+    system_prompt: ClassVar[str] = "Answer."
+    rubric = Rubric([Check("share_of_a", lambda episode: CheckResult((share := _share_of_a(episode)) >= 0.5, share), 1.0)])
+
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(max_turns=1)
+
+    def sample_task(self, rng: np.random.Generator, *, seed: int | None, options: dict | None) -> SimpleTask:
+        return SimpleTask(id="word", prompt="Write a word.")
+
+
+def _share_of_a(episode: Episode) -> float:
+    text = episode.final_answer or ""
+    return text.count("a") / max(len(text), 1)
+
+
+def test_training_samples_from_the_server_and_pushes_each_step(server, tmp_path: Path) -> None:
+    """`TrainConfig.served`: rollouts come from the server, the weights move, every step's
+    rollouts used the previous step's weights, and only the newest version stays on disk."""
+    from trainer.config import TrainConfig
+    from trainer.grpo import train
+
+    model_dir, base_url = server
+    out = tmp_path / "run"
+    config = TrainConfig(
+        env_id="one-word", model=str(model_dir), out=str(out), steps=2, group_size=4, tasks_per_step=2, learning_rate=3e-3,
+        max_new_tokens=6, eval_episodes=0, progress=False, served=base_url,
+    )  # fmt: skip
+    train(config, make_env=lambda split: _OneWord())
+
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["served/weights_step"] for r in rows] == [0, 1]
+    assert [r["served/staleness"] for r in rows] == [0, 0]
+    assert all(r["served/prompt_mismatches"] == 0 and r["served/push_s"] > 0 and r["train_tokens"] > 0 for r in rows)
+    assert sorted(p.name for p in (out / "served").iterdir()) == ["step-2"]
+    trained = AutoModelForCausalLM.from_pretrained(out / "final").state_dict()
+    start = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+    assert any(not torch.equal(trained[k], start[k]) for k in start)

@@ -139,10 +139,15 @@ def test_trainable_limits_which_weights_move(tiny_model: Path, tmp_path: Path, t
     assert not any(part in name for name in changed for part in frozen), sorted(changed)
 
 
-@pytest.mark.parametrize("field,value", [("loss_type", "dapo2"), ("zero_std", "ignore"), ("critique", "steps"), ("group_size", 1), ("trainable", "mlp")], ids=["loss", "zero-std", "critique", "group", "trainable"])
-def test_config_is_validated_at_parse_time(tmp_path: Path, field: str, value) -> None:
+@pytest.mark.parametrize(
+    "overrides",
+    [{"loss_type": "dapo2"}, {"zero_std": "ignore"}, {"critique": "steps"}, {"group_size": 1}, {"trainable": "mlp"},
+     {"served": "ftp://host/v1"}, {"served_engine": "sglang"}, {"push_every": 0}, {"served": "http://127.0.0.1:8000/v1", "served_engine": "vllm"}],
+    ids=["loss", "zero-std", "critique", "group", "trainable", "served-scheme", "served-engine", "push-every", "vllm-needs-lora"],
+)  # fmt: skip
+def test_config_is_validated_at_parse_time(tmp_path: Path, overrides: dict) -> None:
     with pytest.raises(ValueError):
-        _config(tmp_path, tmp_path, **{field: value})
+        _config(tmp_path, tmp_path, **overrides)
 
 
 def test_task_pool_draws_from_the_first_seeds_only(tiny_model: Path, tmp_path: Path) -> None:

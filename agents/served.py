@@ -1,0 +1,228 @@
+"""Rollouts from a served model, for training: the trainer pushes its weights, this keeps the ledger.
+
+`ServedPolicy` samples each turn from an OpenAI-compatible server's `/v1/completions` and keeps
+each conversation's token ledger here, laid out by the local chat template, so the trainer
+learns from the tokens the server continued. Two engines, each with its documented routes:
+
+- `transformers` (`transformers serve`): the prompt goes as the ledger's text (the server takes a
+  string and tokenizes it again; `prompt_mismatches` counts replies whose prompt token count
+  differs from the ledger's). A push saves a full checkpoint under `directory/step-N`, names it in
+  every later request's `model` field (the server loads a model by path on first use) and calls
+  `/reset` so the server drops the previous version. The reply is text only: its ids are the local
+  tokenization of that text and its log-probs are 0.
+- `vllm` (`vllm serve --enable-lora`, with `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`): the prompt
+  goes as token ids, and the reply's token ids and log-probs come back (`return_token_ids`, or
+  `return_tokens_as_token_ids` before vLLM 0.10.2). A push saves the LoRA adapter and hot-loads it with
+  `/v1/load_lora_adapter` under a new name, then unloads the previous one; so vLLM serving
+  needs LoRA training (`lora_r` > 0).
+
+Either way the trainer takes the old log-probs from its own training pass (as it does for a bf16
+sampler), so a server's numerics never reach the clipped ratio.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from agents.base import Conversation, Turn
+from agents.chat import ChatEncoder
+from agents.openai_server import OpenAIPolicy, PolicyError
+from agents.spec import SERVED_ENGINES, SamplingOptions, ServedEngine
+from envs.errors import ConfigError
+
+TOKEN_ID_PREFIX = "token_id:"  # how vLLM names a token with return_tokens_as_token_ids
+
+
+class ServedPolicy:
+    """Takes turns from a server that runs the trainer's latest pushed weights.
+
+    `weights_step` is the step whose weights the server holds (None before the first `push`).
+    Requests in a batch run concurrently; request i of a batch is seeded `seed + n`, n counting
+    every request since the last `reseed`, so the G samples of one prompt differ and a run
+    repeats on an engine that honours `seed`.
+    """
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        base_url: str,
+        *,
+        engine: ServedEngine = "transformers",
+        model: str = "",
+        temperature: float = SamplingOptions.temperature,
+        top_p: float = SamplingOptions.top_p,
+        max_new_tokens: int = SamplingOptions.max_new_tokens,
+        seed: int = 0,
+        concurrency: int = 8,
+        timeout_s: float = 300.0,
+        client: httpx.Client | None = None,
+    ) -> None:
+        if engine not in SERVED_ENGINES:
+            raise ConfigError(f"engine={engine!r}: choose one of {list(SERVED_ENGINES)}")
+        self.tokenizer = tokenizer
+        self.encoder = ChatEncoder(tokenizer)
+        self.engine = engine
+        self.model = model or "unpushed"
+        self.transport = OpenAIPolicy(
+            self.model, base_url, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens,
+            timeout_s=timeout_s, deadline_s=timeout_s * 2, concurrency=concurrency, native_tools=False, seed=seed, client=client,
+        )  # fmt: skip
+        self.base_url = self.transport.base_url
+        self.name = f"served:{engine}@{self.base_url}"
+        self.stop_ids = sorted({self.encoder.end_of_turn_id} | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()))
+        self.returns_logprobs = engine == "vllm"  # transformers serve's completions carry text only
+        self.weights_step: int | None = None
+        self.prompt_mismatches = 0
+        self._seed = seed
+        self._requests = 0
+
+    def reseed(self, seed: int) -> None:
+        """Seed the next requests from `seed` (the trainer calls this per rollout batch)."""
+        self._seed, self._requests = seed, 0
+
+    def close(self) -> None:
+        self.transport.close()
+
+    # -- taking turns ---------------------------------------------------------------------
+    def act(self, batch: Sequence[Conversation]) -> list[Turn]:
+        """Sync the ledgers, ask the server for one turn each (concurrently), record them."""
+        if self.weights_step is None:
+            raise PolicyError(f"{self.name}: no weights pushed yet; call push(model, step, directory) first")
+        for conv in batch:
+            self.encoder.sync(conv)
+        bodies = [self.request_body(conv, seed=self._seed + self._requests + i) for i, conv in enumerate(batch)]
+        self._requests += len(batch)
+        with ThreadPoolExecutor(max_workers=max(1, min(self.transport.concurrency, len(bodies)))) as pool:
+            replies = list(pool.map(lambda body: self.transport.post(body, "completions"), bodies))
+        return [self._record(conv, reply) for conv, reply in zip(batch, replies, strict=True)]
+
+    def request_body(self, conv: Conversation, *, seed: int) -> dict[str, Any]:
+        """The `/v1/completions` body that continues `conv`'s ledger, in this engine's dialect."""
+        t = self.transport
+        body: dict[str, Any] = {"model": self.model, "max_tokens": t.max_tokens, "temperature": t.temperature, "top_p": t.top_p, "seed": seed}
+        if self.engine == "vllm":
+            return body | {
+                "prompt": list(conv.token_ids), "stop_token_ids": self.stop_ids, "logprobs": 1,
+                "return_token_ids": True, "return_tokens_as_token_ids": True, "skip_special_tokens": False,
+            }  # fmt: skip
+        # transformers serve rejects unknown fields; its own `generation_config` field carries the
+        # stop ids, and top_k 0 keeps it from cutting the distribution (the in-process sampler does not)
+        generation = {"max_new_tokens": t.max_tokens, "do_sample": t.temperature > 0, "eos_token_id": self.stop_ids, "top_k": 0}
+        return body | {"prompt": self.tokenizer.decode(conv.token_ids, skip_special_tokens=False), "generation_config": json.dumps(generation)}
+
+    def _record(self, conv: Conversation, reply: dict[str, Any]) -> Turn:
+        choice = _first_choice(reply)
+        prompt_tokens = (reply.get("usage") or {}).get("prompt_tokens")
+        if isinstance(prompt_tokens, int) and prompt_tokens != len(conv.token_ids):
+            self.prompt_mismatches += 1
+        ids, logprobs, text = self._sampled(choice)
+        stopped = choice.get("finish_reason") == "stop"
+        eot = self.encoder.end_of_turn_id
+        if ids and ids[-1] in self.stop_ids and ids[-1] != eot:  # another eos: dropped, the turn closed as the in-process sampler does
+            ids, logprobs = ids[:-1], logprobs[:-1]
+            stopped = False
+        elif stopped and (not ids or ids[-1] != eot):  # the reply's text leaves out the end-of-turn token it stopped on
+            ids, logprobs = [*ids, eot], [*logprobs, 0.0]
+        ended = stopped and bool(ids) and ids[-1] == eot
+        self.encoder.append_sampled(conv, ids, logprobs, ended=ended)
+        return Turn(text=text, token_ids=tuple(ids), logprobs=tuple(logprobs), truncated=choice.get("finish_reason") == "length")
+
+    def _sampled(self, choice: dict[str, Any]) -> tuple[list[int], list[float], str]:
+        """The reply's token ids, log-probs and text (the text without the end-of-turn token)."""
+        text = choice.get("text")
+        if not isinstance(text, str):
+            raise PolicyError(f"{self.name}: choices[0].text must be a string, got {type(text).__name__}")
+        served = _served_tokens(choice)
+        if served is None:
+            ids = self.encoder.encode_text(text)
+            return ids, [0.0] * len(ids), text
+        ids, logprobs = served
+        shown = ids[:-1] if ids and ids[-1] in self.stop_ids else ids
+        return ids, logprobs, self.tokenizer.decode(shown, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    # -- weights ----------------------------------------------------------------------------
+    def push(self, model: torch.nn.Module, step: int, directory: str | Path) -> float:
+        """Make the server sample from `model`'s current weights, saved under `directory`; seconds taken."""
+        started = time.perf_counter()
+        directory = Path(directory).resolve()
+        directory.mkdir(parents=True, exist_ok=True)
+        previous = self.model
+        if self.engine == "vllm":
+            self.model = self._push_lora(model, step, directory)
+        else:
+            self.model = self._push_checkpoint(model, step, directory)
+        self.transport.model = self.model
+        old = Path(previous)
+        if previous != self.model and old.parent == directory and old.exists():
+            shutil.rmtree(old)  # only the version the server now serves is kept on disk
+        self.weights_step = step
+        return time.perf_counter() - started
+
+    def _push_checkpoint(self, model: torch.nn.Module, step: int, directory: Path) -> str:
+        target = _save_atomic(directory / f"step-{step}", lambda path: (model.save_pretrained(path), self.tokenizer.save_pretrained(path)))
+        self._control(f"{self.base_url.removesuffix('/v1')}/reset", {})  # unload the previous version
+        return str(target)
+
+    def _push_lora(self, model: torch.nn.Module, step: int, directory: Path) -> str:
+        if not hasattr(model, "peft_config"):
+            raise ConfigError("engine 'vllm' hot-loads LoRA adapters: train with lora_r > 0 (the lora extra), or serve with transformers serve")
+        target = _save_atomic(directory / f"step-{step}", model.save_pretrained)
+        name = f"cgym-step-{step}"
+        self._control(f"{self.base_url}/load_lora_adapter", {"lora_name": name, "lora_path": str(target)})
+        if self.model.startswith("cgym-step-") and self.model != name:
+            self._control(f"{self.base_url}/unload_lora_adapter", {"lora_name": self.model})
+        return name
+
+    def _control(self, url: str, body: dict[str, Any]) -> None:
+        """One management call (no retries: a failed push must stop the run, not train on stale weights)."""
+        try:
+            response = self.transport._client.post(url, json=body, timeout=self.transport.timeout_s)
+        except httpx.HTTPError as exc:
+            raise PolicyError(f"{url} could not be reached to push the weights: {type(exc).__name__}: {exc}") from None
+        if response.status_code >= 400:
+            raise PolicyError(f"{url} refused the weight push with {response.status_code}: {response.text[:300]}")
+
+
+def _first_choice(reply: dict[str, Any]) -> dict[str, Any]:
+    choices = reply.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        raise PolicyError(f"the server's completion has no choices[0] object: {str(reply)[:300]}")
+    return choices[0]
+
+
+def _served_tokens(choice: dict[str, Any]) -> tuple[list[int], list[float]] | None:
+    """The reply's sampled token ids and log-probs, where the server sent ids: vLLM's
+    `token_ids` (with `return_token_ids`, vLLM >= 0.10.2) or its `"token_id:N"` tokens (with
+    `return_tokens_as_token_ids`); log-probs from `logprobs.token_logprobs` (0 where absent).
+    None when the reply carries no token ids."""
+    logprobs = choice.get("logprobs") if isinstance(choice.get("logprobs"), dict) else {}
+    tokens, values = logprobs.get("tokens"), logprobs.get("token_logprobs")
+    ids = choice.get("token_ids")
+    if not (isinstance(ids, list) and all(isinstance(i, int) for i in ids)):
+        named = isinstance(tokens, list) and all(isinstance(t, str) and t.startswith(TOKEN_ID_PREFIX) and t[len(TOKEN_ID_PREFIX) :].isdigit() for t in tokens)
+        if not named:
+            return None
+        ids = [int(t[len(TOKEN_ID_PREFIX) :]) for t in tokens]
+    if not isinstance(values, list) or len(values) != len(ids):
+        values = [0.0] * len(ids)
+    return list(ids), [float(v) if isinstance(v, (int, float)) else 0.0 for v in values]
+
+
+def _save_atomic(target: Path, write: Callable[[Path], object]) -> Path:
+    """`write(tmp)`, then rename tmp to `target`, so the server never loads a half-written version."""
+    tmp = target.with_name(f".{target.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    write(tmp)
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.rename(target)
+    return target
