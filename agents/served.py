@@ -83,6 +83,7 @@ class ServedPolicy:
         self.returns_logprobs = engine == "vllm"  # transformers serve's completions carry text only
         self.weights_step: int | None = None
         self.prompt_mismatches = 0
+        self._weights_dir: Path | None = None
         self._seed = seed
         self._requests = 0
 
@@ -154,32 +155,28 @@ class ServedPolicy:
     def push(self, model: torch.nn.Module, step: int, directory: str | Path) -> float:
         """Make the server sample from `model`'s current weights, saved under `directory`; seconds taken."""
         started = time.perf_counter()
-        directory = Path(directory).resolve()
-        directory.mkdir(parents=True, exist_ok=True)
-        previous = self.model
-        if self.engine == "vllm":
-            self.model = self._push_lora(model, step, directory)
-        else:
-            self.model = self._push_checkpoint(model, step, directory)
+        target = Path(directory).resolve() / f"step-{step}"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        previous = self._weights_dir
+        self.model = self._push_lora(model, step, target) if self.engine == "vllm" else self._push_checkpoint(model, target)
         self.transport.model = self.model
-        old = Path(previous)
-        if previous != self.model and old.parent == directory and old.exists():
-            shutil.rmtree(old)  # only the version the server now serves is kept on disk
-        self.weights_step = step
+        if previous is not None and previous != target and previous.exists():
+            shutil.rmtree(previous)  # only the version the server now serves is kept on disk
+        self._weights_dir, self.weights_step = target, step
         return time.perf_counter() - started
 
-    def _push_checkpoint(self, model: torch.nn.Module, step: int, directory: Path) -> str:
-        target = _save_atomic(directory / f"step-{step}", lambda path: (model.save_pretrained(path), self.tokenizer.save_pretrained(path)))
+    def _push_checkpoint(self, model: torch.nn.Module, target: Path) -> str:
+        _save_atomic(target, lambda path: (model.save_pretrained(path), self.tokenizer.save_pretrained(path)))
         self._control(f"{self.base_url.removesuffix('/v1')}/reset", {})  # unload the previous version
         return str(target)
 
-    def _push_lora(self, model: torch.nn.Module, step: int, directory: Path) -> str:
+    def _push_lora(self, model: torch.nn.Module, step: int, target: Path) -> str:
         if not hasattr(model, "peft_config"):
             raise ConfigError("engine 'vllm' hot-loads LoRA adapters: train with lora_r > 0 (the lora extra), or serve with transformers serve")
-        target = _save_atomic(directory / f"step-{step}", model.save_pretrained)
+        _save_atomic(target, model.save_pretrained)
         name = f"cgym-step-{step}"
         self._control(f"{self.base_url}/load_lora_adapter", {"lora_name": name, "lora_path": str(target)})
-        if self.model.startswith("cgym-step-") and self.model != name:
+        if self.weights_step is not None and self.model != name:
             self._control(f"{self.base_url}/unload_lora_adapter", {"lora_name": self.model})
         return name
 

@@ -153,6 +153,7 @@ def test_vllm_push_hot_loads_the_adapter_and_unloads_the_previous_one(tokenizer,
     ]
     assert [json.loads(c.request.content) for c in unload.calls] == [{"lora_name": "cgym-step-0"}]
     assert policy.model == "cgym-step-1"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-1"]  # the unloaded adapter's files are removed
 
 
 def test_vllm_push_without_lora_is_a_config_error(tokenizer, tiny_chat_model: Path, tmp_path: Path) -> None:
