@@ -160,16 +160,14 @@ class OpenAIPolicy:
 
     def act(self, batch: Sequence[Conversation]) -> list[Turn]:
         """Return one turn per conversation, in input order."""
-        if not batch:
-            return []
-        if len(batch) == 1:
-            return [self._act_one(batch[0])]
-        with ThreadPoolExecutor(max_workers=min(self.concurrency, len(batch))) as pool:
-            return list(pool.map(self._act_one, batch))
+        return [turn_from_response(data) for data in self.post_many([self.request_body(conv) for conv in batch])]
 
-    def _act_one(self, conversation: Conversation) -> Turn:
-        data = self.post(self.request_body(conversation))
-        return turn_from_response(data)
+    def post_many(self, bodies: Sequence[dict[str, Any]], endpoint: str = "chat/completions") -> list[dict[str, Any]]:
+        """`post` each body, up to `concurrency` at once on the shared client; replies in input order."""
+        if len(bodies) <= 1:
+            return [self.post(body, endpoint) for body in bodies]
+        with ThreadPoolExecutor(max_workers=min(self.concurrency, len(bodies))) as pool:
+            return list(pool.map(lambda body: self.post(body, endpoint), bodies))
 
     def request_body(self, conversation: Conversation) -> dict[str, Any]:
         """The JSON body sent to `/chat/completions` for this conversation."""

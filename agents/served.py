@@ -26,7 +26,6 @@ import json
 import shutil
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -103,8 +102,7 @@ class ServedPolicy:
             self.encoder.sync(conv)
         bodies = [self.request_body(conv, seed=self._seed + self._requests + i) for i, conv in enumerate(batch)]
         self._requests += len(batch)
-        with ThreadPoolExecutor(max_workers=max(1, min(self.transport.concurrency, len(bodies)))) as pool:
-            replies = list(pool.map(lambda body: self.transport.post(body, "completions"), bodies))
+        replies = self.transport.post_many(bodies, "completions")
         return [self._record(conv, reply) for conv, reply in zip(batch, replies, strict=True)]
 
     def request_body(self, conv: Conversation, *, seed: int) -> dict[str, Any]:
