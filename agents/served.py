@@ -27,7 +27,7 @@ import shutil
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 import torch
@@ -40,6 +40,25 @@ from agents.spec import SERVED_ENGINES, SamplingOptions, ServedEngine
 from envs.errors import ConfigError
 
 TOKEN_ID_PREFIX = "token_id:"  # how vLLM names a token with return_tokens_as_token_ids
+
+
+class PushedSampler(Protocol):
+    """What samples the trainer's rollouts when the weights it samples from live outside the
+    trainer's model: a server (`ServedPolicy`) or an in-process vLLM engine
+    (`agents.vllm_sampler.VLLMSampler`). `push` hands it the current weights."""
+
+    name: str
+    weights_step: int | None
+    prompt_mismatches: int
+    returns_logprobs: bool
+
+    def act(self, batch: Sequence[Conversation]) -> list[Turn]: ...
+
+    def reseed(self, seed: int) -> None: ...
+
+    def push(self, model: torch.nn.Module, step: int, directory: str | Path) -> float: ...
+
+    def close(self) -> None: ...
 
 
 class ServedPolicy:
@@ -78,7 +97,7 @@ class ServedPolicy:
         )  # fmt: skip
         self.base_url = self.transport.base_url
         self.name = f"served:{engine}@{self.base_url}"
-        self.stop_ids = sorted({self.encoder.end_of_turn_id} | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()))
+        self.stop_ids = stop_ids(self.encoder)
         self.returns_logprobs = engine == "vllm"  # transformers serve's completions carry text only
         self.weights_step: int | None = None
         self.prompt_mismatches = 0
@@ -125,16 +144,7 @@ class ServedPolicy:
         if isinstance(prompt_tokens, int) and prompt_tokens != len(conv.token_ids):
             self.prompt_mismatches += 1
         ids, logprobs, text = self._sampled(choice)
-        stopped = choice.get("finish_reason") == "stop"
-        eot = self.encoder.end_of_turn_id
-        if ids and ids[-1] in self.stop_ids and ids[-1] != eot:  # another eos: dropped, the turn closed as the in-process sampler does
-            ids, logprobs = ids[:-1], logprobs[:-1]
-            stopped = False
-        elif stopped and (not ids or ids[-1] != eot):  # the reply's text leaves out the end-of-turn token it stopped on
-            ids, logprobs = [*ids, eot], [*logprobs, 0.0]
-        ended = stopped and bool(ids) and ids[-1] == eot
-        self.encoder.append_sampled(conv, ids, logprobs, ended=ended)
-        return Turn(text=text, token_ids=tuple(ids), logprobs=tuple(logprobs), truncated=choice.get("finish_reason") == "length")
+        return record_turn(self.encoder, self.stop_ids, conv, ids, logprobs, text, choice.get("finish_reason"))
 
     def _sampled(self, choice: dict[str, Any]) -> tuple[list[int], list[float], str]:
         """The reply's token ids, log-probs and text (the text without the end-of-turn token)."""
@@ -164,14 +174,14 @@ class ServedPolicy:
         return time.perf_counter() - started
 
     def _push_checkpoint(self, model: torch.nn.Module, target: Path) -> str:
-        _save_atomic(target, lambda path: (model.save_pretrained(path), self.tokenizer.save_pretrained(path)))
+        save_atomic(target, lambda path: (model.save_pretrained(path), self.tokenizer.save_pretrained(path)))
         self._control(f"{self.base_url.removesuffix('/v1')}/reset", {})  # unload the previous version
         return str(target)
 
     def _push_lora(self, model: torch.nn.Module, step: int, target: Path) -> str:
         if not hasattr(model, "peft_config"):
             raise ConfigError("engine 'vllm' hot-loads LoRA adapters: train with lora_r > 0 (the lora extra), or serve with transformers serve")
-        _save_atomic(target, model.save_pretrained)
+        save_atomic(target, model.save_pretrained)
         name = f"cgym-step-{step}"
         self._control(f"{self.base_url}/load_lora_adapter", {"lora_name": name, "lora_path": str(target)})
         if self.weights_step is not None and self.model != name:
@@ -186,6 +196,31 @@ class ServedPolicy:
             raise PolicyError(f"{url} could not be reached to push the weights: {type(exc).__name__}: {exc}") from None
         if response.status_code >= 400:
             raise PolicyError(f"{url} refused the weight push with {response.status_code}: {response.text[:300]}")
+
+
+def stop_ids(encoder: ChatEncoder) -> list[int]:
+    """The ids that end a sampled turn: the template's end-of-turn token and the tokenizer's eos."""
+    eos = encoder.tokenizer.eos_token_id
+    return sorted({encoder.end_of_turn_id} | ({eos} if eos is not None else set()))
+
+
+def record_turn(
+    encoder: ChatEncoder, stop_ids: Sequence[int], conv: Conversation, ids: list[int], logprobs: list[float], text: str, finish_reason: str | None
+) -> Turn:
+    """Append a turn sampled elsewhere to `conv`'s ledger, closed as the in-process sampler closes it.
+
+    A reply that ends on another stop id (an eos) loses that id and leaves the turn open; one
+    that stopped without showing the end-of-turn token gets it back, with log-prob 0.
+    """
+    stopped = finish_reason == "stop"
+    eot = encoder.end_of_turn_id
+    if ids and ids[-1] in stop_ids and ids[-1] != eot:
+        ids, logprobs = ids[:-1], logprobs[:-1]
+        stopped = False
+    elif stopped and (not ids or ids[-1] != eot):
+        ids, logprobs = [*ids, eot], [*logprobs, 0.0]
+    encoder.append_sampled(conv, ids, logprobs, ended=stopped and bool(ids) and ids[-1] == eot)
+    return Turn(text=text, token_ids=tuple(ids), logprobs=tuple(logprobs), truncated=finish_reason == "length")
 
 
 def _first_choice(reply: dict[str, Any]) -> dict[str, Any]:
@@ -213,7 +248,7 @@ def _served_tokens(choice: dict[str, Any]) -> tuple[list[int], list[float]] | No
     return list(ids), [float(v) if isinstance(v, (int, float)) else 0.0 for v in values]
 
 
-def _save_atomic(target: Path, write: Callable[[Path], object]) -> Path:
+def save_atomic(target: Path, write: Callable[[Path], object]) -> Path:
     """`write(tmp)`, then rename tmp to `target`, so the server never loads a half-written version."""
     tmp = target.with_name(f".{target.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)

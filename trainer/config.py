@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
@@ -18,6 +19,8 @@ ZERO_STD: tuple[str, ...] = get_args(ZeroStd)
 Trainable = Literal["all", "attention", "no_embeddings"]
 TRAINABLE: tuple[str, ...] = get_args(Trainable)
 CRITIQUE_STYLES = ("none", "indicative", "ground_truth", "step")
+VLLM_IN_PROCESS = "vllm:"  # TrainConfig.served for rollouts from in-process vLLM
+DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 
 
 @dataclass(frozen=True)
@@ -110,11 +113,17 @@ class TrainConfig:
     group), so with 1 a run samples the same under any number of torchrun processes."""
     workers: int = 1
     """Threads stepping a batch's envs, in rollouts and evaluations (pays when tools wait on I/O; 1: inline)."""
+    device: str = "cpu"
+    """Where the trainer's fp32 weights live and the update runs: cpu, cuda or cuda:N. Under
+    torchrun, cuda puts each rank on cuda:LOCAL_RANK and the gradients go over NCCL."""
     served: str = ""
     """Sample rollouts and refinements from this OpenAI-compatible server (its /v1 base URL, e.g.
     http://127.0.0.1:8000/v1) instead of in process. The trainer pushes its weights there every
     push_every steps, saved under OUT/served/ (a path the server must be able to read); the
-    evaluations still run in process. Empty: sample in process."""
+    evaluations still run in process. `vllm:` samples from an in-process vLLM engine on this
+    machine's GPU instead (the vllm extra). Empty: sample with the trainer's own model."""
+    vllm_memory: float = 0.3
+    """With served='vllm:': the share of the GPU's memory vLLM may take (the trainer's model shares the GPU)."""
     served_engine: ServedEngine = "transformers"
     """The server behind `served`: transformers (transformers serve; each push saves a full
     checkpoint that the server loads by path) or vllm (vllm serve --enable-lora; each push
@@ -163,8 +172,10 @@ class TrainConfig:
             (self.max_grad_norm > 0, f"max_grad_norm must be > 0, got {self.max_grad_norm}"),
             (self.gamma > 0, f"gamma must be > 0, got {self.gamma}"),
             (0 < self.refine_fail_fraction <= 1, f"refine_fail_fraction must be in (0, 1], got {self.refine_fail_fraction}"),
-            (not self.served or self.served.startswith(("http://", "https://")), f"served must be an http(s) base URL such as http://127.0.0.1:8000/v1, got {self.served!r}"),
-            (not self.served or self.served_engine != "vllm" or self.lora_r > 0, "served_engine='vllm' hot-loads LoRA adapters each push: set lora_r > 0 (or serve with transformers serve)"),
+            (not self.served or self.served == VLLM_IN_PROCESS or self.served.startswith(("http://", "https://")), f"served must be an http(s) base URL such as http://127.0.0.1:8000/v1, or {VLLM_IN_PROCESS!r} for in-process vLLM, got {self.served!r}"),
+            (0 < self.vllm_memory <= 1, f"vllm_memory must be in (0, 1], got {self.vllm_memory}"),
+            (DEVICE.fullmatch(self.device) is not None, f"device must be cpu, cuda or cuda:N, got {self.device!r}"),
+            (self.served == VLLM_IN_PROCESS or not self.served or self.served_engine != "vllm" or self.lora_r > 0, "served_engine='vllm' hot-loads LoRA adapters each push: set lora_r > 0 (or serve with transformers serve)"),
         ]
 
     @property

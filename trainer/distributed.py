@@ -108,6 +108,22 @@ def init_world(device: torch.device | str = "cpu") -> World:
     return World(torch.distributed.get_rank(), torch.distributed.get_world_size(), device, owns)
 
 
+def training_device(name: str) -> torch.device:
+    """The device a rank trains on: `name`, with a bare `cuda` under torchrun meaning this
+    rank's cuda:LOCAL_RANK. A CUDA device on a machine without one is a ConfigError."""
+    device = torch.device(name)
+    if device.type != "cuda":
+        return device
+    if not torch.cuda.is_available():
+        raise ConfigError(f"device={name!r}, but torch sees no CUDA GPU here (torch {torch.__version__}): train with --device cpu")
+    if device.index is None:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    if device.index >= torch.cuda.device_count():
+        raise ConfigError(f"device {device} does not exist: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    torch.cuda.set_device(device)
+    return device
+
+
 def close_world(world: World) -> None:
     """Leave the process group `init_world` created (a no-op for a World of one, or a group the caller made)."""
     if world.owns_group and torch.distributed.is_initialized():
@@ -153,4 +169,4 @@ def _buckets(tensors: list[Tensor]) -> list[list[Tensor]]:
     return buckets
 
 
-__all__ = ["World", "check_divisible", "close_world", "global_normalizer", "init_world"]
+__all__ = ["World", "check_divisible", "close_world", "global_normalizer", "init_world", "training_device"]

@@ -9,8 +9,9 @@ of whole groups; advantages, the loss normaliser and the metrics are global, and
 summed across ranks before each optimizer step (see `trainer.distributed`). Rank 0 writes the
 metrics and checkpoints and runs the evaluations. Several envs (`TrainConfig.envs`) mix in one
 run: each group's env is drawn by weight, and metrics and evaluations are reported per env. With
-`TrainConfig.served`, rollouts and refinements come from a server that the trainer pushes its
-weights to (`agents.served`); the update and the evaluations stay in process.
+`TrainConfig.served`, rollouts and refinements come from a server (`agents.served`) or an
+in-process vLLM engine (`agents.vllm_sampler`) that the trainer pushes its weights to; the update
+and the evaluations stay with the trainer's model, on `TrainConfig.device`.
 """
 
 from __future__ import annotations
@@ -36,12 +37,12 @@ from agents.evaluate import EvalConfig, evaluate
 from agents.hf import HFPolicy
 from agents.precision import autocast
 from agents.sampling import sequence_logprobs
-from agents.served import ServedPolicy
+from agents.served import PushedSampler, ServedPolicy
 from envs.errors import ConfigError
 from envs.registration import make
 from trainer.checkpoint import latest_checkpoint, load_state, save_checkpoint
-from trainer.config import TrainConfig
-from trainer.distributed import World, check_divisible, close_world, global_normalizer, init_world
+from trainer.config import VLLM_IN_PROCESS, TrainConfig
+from trainer.distributed import World, check_divisible, close_world, global_normalizer, init_world, training_device
 from trainer.embedded import prepare_models
 from trainer.finite import check_finite
 from trainer.losses import policy_loss, unified_advantages
@@ -71,15 +72,15 @@ class TrainState:
     start_step: int = 0
     world: World = field(default_factory=World)
     pools: dict[str, list[gym.Env]] = field(default_factory=dict)  # train-split envs reused across steps
-    served: ServedPolicy | None = None  # the server that samples rollouts, when TrainConfig.served is set
+    served: PushedSampler | None = None  # what samples rollouts when TrainConfig.served is set: a server or in-process vLLM
 
     @property
     def model(self) -> torch.nn.Module:
         return self.policy.model
 
     @property
-    def sampler(self) -> HFPolicy | ServedPolicy:
-        """What samples rollouts and refinements: the server, or the policy in process."""
+    def sampler(self) -> HFPolicy | PushedSampler:
+        """What samples rollouts and refinements: the server or vLLM, or the trainer's own policy."""
         return self.served or self.policy
 
     def make_env(self, split: str, env_id: str | None = None) -> gym.Env:
@@ -94,7 +95,7 @@ def setup(config: TrainConfig, *, make_env: EnvFactory | None = None, resume: bo
 
     `make_env` replaces the registry for a single-env run (tests use a toy env).
     """
-    world = world or World()
+    world = world or World(device=training_device(config.device))
     check_divisible(config.tasks_per_step, world)
     if make_env is not None and len(config.env_ids) > 1:
         raise ConfigError(f"make_env builds one env, but the config mixes {list(config.env_ids)}")
@@ -104,7 +105,7 @@ def setup(config: TrainConfig, *, make_env: EnvFactory | None = None, resume: bo
         warnings.warn(f"resume: no checkpoint under {out / 'checkpoints'} yet; starting from step 0", stacklevel=2)
     torch.manual_seed(config.seed)
     prepare_models(config.model, config.critique.removeprefix("model:") if config.critique.startswith("model:") else None)
-    policy = HFPolicy.from_pretrained(checkpoint or config.model_path, **asdict(config.sampling))
+    policy = HFPolicy.from_pretrained(checkpoint or config.model_path, device=world.device, dtype=torch.float32, **asdict(config.sampling))
     if config.lora_r > 0:
         policy.model = _with_lora(policy.model, config.lora_r)
     freeze_except(policy.model, config.trainable)
@@ -124,13 +125,19 @@ def setup(config: TrainConfig, *, make_env: EnvFactory | None = None, resume: bo
     return TrainState(config, policy, optimizer, scheduler, factories, reference, _critic(config), log, HackingMonitor(), config.max_new_tokens * max_turns, start, world, served=served)
 
 
-def _served(config: TrainConfig, policy: HFPolicy, step: int, world: World) -> ServedPolicy | None:
-    """The server's sampler, holding the starting weights (or the resumed checkpoint's)."""
+def _served(config: TrainConfig, policy: HFPolicy, step: int, world: World) -> PushedSampler | None:
+    """The server's (or in-process vLLM's) sampler, holding the starting weights (or the resumed checkpoint's)."""
     if not config.served:
         return None
     if world.size > 1:
         raise ConfigError(f"served rollouts run in one process (this run has {world.size}): drop --served or torchrun")
-    served = ServedPolicy(policy.tokenizer, config.served, engine=config.served_engine, **asdict(config.sampling))
+    served: PushedSampler
+    if config.served == VLLM_IN_PROCESS:
+        from agents.vllm_sampler import VLLMSampler  # vLLM is optional: imported only when asked for
+
+        served = VLLMSampler(policy.tokenizer, config.model_path, lora_r=config.lora_r, gpu_memory_utilization=config.vllm_memory, **asdict(config.sampling))
+    else:
+        served = ServedPolicy(policy.tokenizer, config.served, engine=config.served_engine, **asdict(config.sampling))
     served.push(policy.model, step, Path(config.out) / "served")
     return served
 
@@ -380,7 +387,7 @@ def _update(state: TrainState, trajs: list[Trajectory], advantages: torch.Tensor
     cfg, world = state.config, state.world
     state.model.train()
     pad = state.policy.tokenizer.pad_token_id or 0
-    batch = pack(trajs, advantages, pad_id=pad) if trajs else None
+    batch = pack(trajs, advantages, pad_id=pad).to(world.device) if trajs else None
     normalizer = global_normalizer(batch.mask if batch else None, cfg.loss_type, state.max_completion_length, world)
     params = [p for p in state.model.parameters() if p.requires_grad]
     totals: dict[str, float] = {"loss": 0.0, "clip_frac_low": 0.0, "clip_frac_high": 0.0, "kl": 0.0, "sampler/logp_diff_max": 0.0}
@@ -460,7 +467,7 @@ def evaluate_model(state: TrainState, *, episodes: int | None = None) -> dict[st
 
 def _evaluate_env(state: TrainState, env_id: str, episodes: int | None) -> dict[str, Any]:
     cfg = state.config
-    policy = HFPolicy(state.model, state.policy.tokenizer, temperature=cfg.eval_temperature, top_p=1.0, max_new_tokens=cfg.max_new_tokens, seed=EVAL_SEED)
+    policy = HFPolicy(state.model, state.policy.tokenizer, temperature=cfg.eval_temperature, top_p=1.0, max_new_tokens=cfg.max_new_tokens, seed=EVAL_SEED, device=state.world.device)
     was_training = state.model.training
     state.model.eval()
     config = EvalConfig(env_id, cfg.kwargs_for(env_id, "test"), episodes=episodes or cfg.eval_episodes, seed=EVAL_SEED, batch_size=64, workers=cfg.workers)
@@ -492,7 +499,7 @@ def train(config: TrainConfig, *, make_env: EnvFactory | None = None, resume: bo
 
     Under torchrun (WORLD_SIZE > 1) this process joins the process group and trains its share.
     """
-    world = init_world()
+    world = init_world(training_device(config.device))
     try:
         return _train(config, world, make_env=make_env, resume=resume, console=console or Console())
     finally:

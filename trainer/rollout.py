@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 from torch import Tensor
@@ -54,6 +54,12 @@ class Batch:
     old_logp: Tensor
     advantages: Tensor
     shaped: Tensor
+
+    def to(self, device: torch.device | str) -> Batch:
+        """The same batch on `device` (itself when it is there already)."""
+        if self.ids.device == torch.device(device):
+            return self
+        return Batch(*(getattr(self, f.name).to(device) for f in fields(self)))
 
 
 def pack(trajectories: Sequence[Trajectory], advantages: Tensor, *, pad_id: int) -> Batch:
