@@ -192,11 +192,17 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     for arm in dict.fromkeys(r["arm"] for r in runs):
         finals = [r["after"] for r in runs if r["arm"] == arm]
         mine = [r for r in runs if r["arm"] == arm]
-        table[arm] = {"final_mean": statistics.mean(finals), "final_std": statistics.pstdev(finals), "finals": finals, "before": [r["before"] for r in mine]}
+        # final_std is the population std (kept for the JSONs already written); the README quotes final_sample_std
+        table[arm] = {"final_mean": statistics.mean(finals), "final_std": statistics.pstdev(finals), "final_sample_std": _sample_std(finals), "finals": finals, "before": [r["before"] for r in mine]}
         if all("pool_after" in r for r in mine):
             pool = [r["pool_after"] for r in mine]
             table[arm].update(pool_mean=statistics.mean(pool), pool_std=statistics.pstdev(pool), pool_finals=pool, pool_before=[r["pool_before"] for r in mine])
     return table
+
+
+def _sample_std(values: list[float]) -> float | None:
+    """The spread of a few seeds (n - 1 in the divisor); None for a single seed."""
+    return statistics.stdev(values) if len(values) > 1 else None
 
 
 def plot(runs: list[dict[str, Any]], path: Path, *, title: str = "GRPO vs Critique-GRPO", start: dict[str, float] | None = None) -> None:

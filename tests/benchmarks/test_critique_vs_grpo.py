@@ -19,6 +19,7 @@ RUNS = [
 def test_summary_gives_mean_spread_and_pool_figures_where_every_run_has_them() -> None:
     table = summarize(RUNS)
     assert table["grpo"]["final_mean"] == pytest.approx(0.4) and table["grpo"]["final_std"] == pytest.approx(0.1)
+    assert table["grpo"]["final_sample_std"] == pytest.approx(0.1 * 2**0.5) and table["critique_grpo_step"]["final_sample_std"] is None
     assert table["grpo"]["pool_mean"] == pytest.approx(0.6) and table["grpo"]["pool_before"] == [0.1, 0.1]
     assert table["critique_grpo_step"]["finals"] == [0.6] and "pool_mean" not in table["critique_grpo_step"]
 
