@@ -36,6 +36,7 @@ from agents.episodes import run_episodes
 from agents.evaluate import EvalConfig, evaluate
 from agents.hf import HFPolicy
 from agents.precision import autocast
+from agents.pretrained import resolve_model
 from agents.sampling import sequence_logprobs
 from agents.served import PushedSampler, ServedPolicy
 from envs.errors import ConfigError
@@ -135,7 +136,7 @@ def _served(config: TrainConfig, policy: HFPolicy, step: int, world: World) -> P
     if config.served == VLLM_IN_PROCESS:
         from agents.vllm_sampler import VLLMSampler  # vLLM is optional: imported only when asked for
 
-        served = VLLMSampler(policy.tokenizer, config.model_path, lora_r=config.lora_r, gpu_memory_utilization=config.vllm_memory, **asdict(config.sampling))
+        served = VLLMSampler(policy.tokenizer, resolve_model(config.model_path), lora_r=config.lora_r, gpu_memory_utilization=config.vllm_memory, **asdict(config.sampling))
     else:
         served = ServedPolicy(policy.tokenizer, config.served, engine=config.served_engine, **asdict(config.sampling))
     served.push(policy.model, step, Path(config.out) / "served")
