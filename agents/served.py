@@ -156,8 +156,7 @@ class ServedPolicy:
             ids = self.encoder.encode_text(text)
             return ids, [0.0] * len(ids), text
         ids, logprobs = served
-        shown = ids[:-1] if ids and ids[-1] in self.stop_ids else ids
-        return ids, logprobs, self.tokenizer.decode(shown, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        return ids, logprobs, reply_text(self.tokenizer, ids, self.stop_ids)
 
     # -- weights ----------------------------------------------------------------------------
     def push(self, model: torch.nn.Module, step: int, directory: str | Path) -> float:
@@ -202,6 +201,12 @@ def stop_ids(encoder: ChatEncoder) -> list[int]:
     """The ids that end a sampled turn: the template's end-of-turn token and the tokenizer's eos."""
     eos = encoder.tokenizer.eos_token_id
     return sorted({encoder.end_of_turn_id} | ({eos} if eos is not None else set()))
+
+
+def reply_text(tokenizer: PreTrainedTokenizerBase, ids: Sequence[int], stop_ids: Sequence[int]) -> str:
+    """The text of a sampled turn's ids, without the stop id it ended on."""
+    shown = ids[:-1] if ids and ids[-1] in stop_ids else ids
+    return tokenizer.decode(list(shown), skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
 
 def record_turn(

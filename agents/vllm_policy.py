@@ -42,7 +42,7 @@ class VLLMPolicy:
         seed: int = DEFAULT_SAMPLING.seed,
         **llm_kwargs: Any,
     ) -> None:
-        vllm = _import_vllm()
+        vllm = import_vllm()
         self.model = model
         self.name = f"vllm:{model}"
         self._llm = vllm.LLM(model=model, seed=seed, **llm_kwargs)
@@ -71,7 +71,7 @@ class VLLMPolicy:
         return turns  # type: ignore[return-value]
 
 
-def _import_vllm() -> Any:
+def import_vllm() -> Any:
     try:
         import vllm
     except ImportError as exc:

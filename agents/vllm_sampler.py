@@ -29,9 +29,9 @@ from transformers import PreTrainedTokenizerBase
 from agents.base import Conversation, Turn
 from agents.chat import ChatEncoder
 from agents.openai_server import PolicyError
-from agents.served import record_turn, save_atomic, stop_ids
+from agents.served import record_turn, reply_text, save_atomic, stop_ids
 from agents.spec import SamplingOptions
-from agents.vllm_policy import _import_vllm
+from agents.vllm_policy import import_vllm
 
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
 
@@ -60,7 +60,7 @@ class VLLMSampler:
         seed: int = 0,
         **llm_kwargs: Any,
     ) -> None:
-        self._vllm = _import_vllm()
+        self._vllm = import_vllm()
         self.tokenizer = tokenizer
         self.encoder = ChatEncoder(tokenizer)
         self.stop_ids = stop_ids(self.encoder)
@@ -105,9 +105,7 @@ class VLLMSampler:
     def _record(self, conv: Conversation, completion: Any) -> Turn:
         ids = list(completion.token_ids)
         logprobs = [step[token].logprob for step, token in zip(completion.logprobs, ids)] if completion.logprobs else [0.0] * len(ids)
-        shown = ids[:-1] if ids and ids[-1] in self.stop_ids else ids
-        text = self.tokenizer.decode(shown, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-        return record_turn(self.encoder, self.stop_ids, conv, ids, logprobs, text, completion.finish_reason)
+        return record_turn(self.encoder, self.stop_ids, conv, ids, logprobs, reply_text(self.tokenizer, ids, self.stop_ids), completion.finish_reason)
 
     def push(self, model: torch.nn.Module, step: int, directory: str | Path) -> float:
         """Make vLLM sample from `model`'s current weights; seconds taken."""

@@ -110,19 +110,21 @@ def _vllm_push(model: str, out: Path) -> dict[str, Any]:
     policy = HFPolicy.from_pretrained(model, device="cuda", dtype=torch.float32)
     sampler = VLLMSampler(policy.tokenizer, policy.model.name_or_path, temperature=0.0, max_new_tokens=16)
 
+    push_ms: list[float] = []
+
     def reply(weights: torch.nn.Module, step: int) -> list[int]:
-        seconds = sampler.push(weights, step, out)
+        push_ms.append(round(sampler.push(weights, step, out) * 1000, 1))
         conv = Conversation([{"role": "system", "content": "You are helpful."}, {"role": "user", "content": "Name a colour."}])
-        return [*sampler.act([conv])[0].token_ids, round(seconds * 1000)]
+        return list(sampler.act([conv])[0].token_ids)
 
     start = reply(policy.model, 0)
     silenced = copy.deepcopy(policy.model)
     torch.nn.init.zeros_(silenced.model.norm.weight)
     zeroed = reply(silenced, 1)
     back = reply(policy.model, 2)
-    if zeroed[:-1] == start[:-1] or back[:-1] != start[:-1]:
-        raise AssertionError(f"pushes did not reach vLLM: start {start[:-1]}, zeroed norm {zeroed[:-1]}, start again {back[:-1]}")
-    return {"greedy_start": start[:-1], "greedy_zeroed_norm": zeroed[:-1], "push_ms": [start[-1], zeroed[-1], back[-1]]}
+    if zeroed == start or back != start:
+        raise AssertionError(f"pushes did not reach vLLM: start {start}, zeroed norm {zeroed}, start again {back}")
+    return {"greedy_start": start, "greedy_zeroed_norm": zeroed, "push_ms": push_ms}
 
 
 def _torchrun(model: str, out: Path) -> dict[str, Any]:

@@ -79,7 +79,7 @@ def test_sampling_options_reach_vllm_policies(monkeypatch: pytest.MonkeyPatch) -
             seen["sampling"] = kwargs
             return object()
 
-    monkeypatch.setattr(agents.vllm_policy, "_import_vllm", FakeVLLM)
+    monkeypatch.setattr(agents.vllm_policy, "import_vllm", FakeVLLM)
     load_policy("vllm:some/model", SamplingOptions(temperature=0.2, top_p=0.9, max_new_tokens=64, seed=7))
     assert seen["sampling"] == {"temperature": 0.2, "top_p": 0.9, "max_tokens": 64, "seed": 7, "logprobs": 0}
     assert seen["llm"] == {"model": "some/model", "seed": 7}
