@@ -221,3 +221,15 @@ def test_a_packed_batch_moves_to_the_training_device_whole() -> None:
     moved = batch.to("meta")
     assert all(t.device.type == "meta" for t in (moved.ids, moved.attention, moved.mask, moved.old_logp, moved.advantages, moved.shaped))
     assert moved.ids.shape == batch.ids.shape and moved.shaped.dtype == torch.bool
+
+
+def test_a_bare_cuda_device_is_the_ranks_own_and_a_missing_one_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    chosen: list[torch.device] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert training_device("cuda") == torch.device("cuda", 1) and chosen == [torch.device("cuda", 1)]
+    assert training_device("cuda:0") == torch.device("cuda", 0)
+    with pytest.raises(ConfigError, match="does not exist"):
+        training_device("cuda:2")
