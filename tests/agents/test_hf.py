@@ -391,3 +391,18 @@ def test_prefix_cache_is_invalidated_by_a_weight_update(tiny_dir: Path) -> None:
     with torch.no_grad():
         model.model.embed_tokens.weight.add_(0.01)  # what an optimizer step does
     assert policy.prefix_cache.lookup(model, prompt.token_ids) == 0
+
+
+def test_prefill_hands_the_lm_head_a_contiguous_input(model, tokenizer) -> None:
+    """A strided (B, 1, D) slice made the LM head's matmul copy its weight once per row (2.3 s a
+    32-row prefill with SmolLM2 in bf16); the sampler asks for the last column by index."""
+    from agents.sampling import SamplingParams, sample_batch
+
+    seen = []
+    hook = model.get_output_embeddings().register_forward_pre_hook(lambda _, args: seen.append((tuple(args[0].shape), args[0].is_contiguous())))
+    try:
+        sample_batch(model, _prefixed_prompts(tokenizer), params=SamplingParams(temperature=0.0, max_new_tokens=3), stop_ids=set(), pad_id=0, share_prefix=False)
+    finally:
+        hook.remove()
+    assert seen and seen[0][0][:2] == (4, 1)  # the prefill: 4 rows, one column each
+    assert all(contiguous for _, contiguous in seen)

@@ -1,11 +1,13 @@
-"""GrowingLayer behaves like transformers' DynamicLayer, without copying the cache per step."""
+"""GrowingLayer behaves like transformers' DynamicLayer, without copying the cache per step;
+split attention over a shared prefix equals attention over each row's copy of it."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from agents.kv_cache import SPARE, GrowingLayer
+from agents.kv_cache import _FLASH_CPU, SPARE, GrowingLayer, split_attention
 
 
 def test_growing_layer_matches_dynamic_layer() -> None:
@@ -37,3 +39,33 @@ def test_a_decode_step_writes_in_place() -> None:
     for _ in range(5):
         layer.update(torch.randn(2, 2, 1, 4), torch.randn(2, 2, 1, 4))
     assert layer.keys.untyped_storage().data_ptr() == buffer and layer.get_seq_length() == 15
+
+
+def reference_attention(query, key, value, prefix_k, prefix_v, visible, scale):
+    """Each row's own copy of the prefix, kv heads repeated per query head, one masked softmax."""
+    batch, heads, q_len, _ = query.shape
+    groups = heads // key.shape[1]
+    keys = torch.cat([prefix_k.expand(batch, -1, -1, -1), key], 2).repeat_interleave(groups, 1)
+    values = torch.cat([prefix_v.expand(batch, -1, -1, -1), value], 2).repeat_interleave(groups, 1)
+    seen = torch.cat([torch.ones(batch, q_len, prefix_k.shape[2], dtype=torch.bool), visible], 2)
+    scores = (query @ keys.transpose(-1, -2) * scale).masked_fill(~seen[:, None], float("-inf"))
+    return (scores.softmax(-1) @ values).transpose(1, 2)  # (B, q, H, D)
+
+
+@pytest.mark.skipif(_FLASH_CPU is None, reason="this PyTorch has no CPU flash-attention kernel")
+@pytest.mark.parametrize("q_len", [1, 5], ids=["decode", "prefill"])
+def test_split_attention_matches_a_copied_prefix(q_len: int) -> None:
+    torch.manual_seed(0)
+    batch, heads, kv_heads, plen, own, dim = 3, 6, 2, 7, 9, 8
+    query = torch.randn(batch, heads, q_len, dim)
+    key, value = torch.randn(batch, kv_heads, own, dim), torch.randn(batch, kv_heads, own, dim)
+    prefix_k, prefix_v = torch.randn(1, kv_heads, plen, dim), torch.randn(1, kv_heads, plen, dim)
+    causal = torch.arange(own)[None] <= torch.arange(q_len)[:, None] + (own - q_len)  # (q, S)
+    visible = causal[None].repeat(batch, 1, 1)
+    visible[1, :, :4] = False  # row 1 is left-padded by 4
+    if q_len > 1:
+        visible[2, 0] = False  # a pad query: sees only the prefix
+    got = split_attention(query, key, value, prefix_k, prefix_v, visible, dim**-0.5)
+    want = reference_attention(query, key, value, prefix_k, prefix_v, visible, dim**-0.5)
+    assert got.shape == (batch, q_len, heads, dim)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
