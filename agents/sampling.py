@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 from transformers import PreTrainedModel
+from transformers.cache_utils import DynamicLayer
 
 from agents.kv_cache import GrowingLayer, PrefixCache, dynamic_cache, growing_cache, shared_prefix, use_prefix_attention
 from agents.spec import SamplingOptions
@@ -49,6 +50,7 @@ def sequence_logprobs(
     *,
     mask: Tensor | None = None,
     share_prefix: bool = True,
+    head: SharedHead | None = None,
 ) -> Tensor:
     """(B, T) ids -> (B, T-1) log-probs of `input_ids[:, 1:]` under `log_softmax(logits / T)`.
 
@@ -61,10 +63,15 @@ def sequence_logprobs(
     columns some row needs; the other columns come back as 0. With `share_prefix`, leading
     columns that every row shares (same ids, no padding: a system prompt, a group's prompt) go
     through the model once and reach the other rows through the KV cache; the result is the same
-    up to float rounding, and so are the gradients.
+    up to float rounding, and so are the gradients. A `head` (from `shared_head`) is a prefix
+    already run for the whole batch: the rows attend to it and only their columns after it run.
     """
     scale = temperature if temperature > 0 else 1.0
     columns = None if mask is None else mask.bool().any(0)  # (T-1,) columns to compute
+    if head is not None:
+        cache = head.cache_for(model, input_ids, attention_mask, columns)
+        tail, values = _tail_logprobs(model, input_ids, attention_mask, cache, head.length, columns, scale)
+        return _scatter_columns(values, tail, input_ids.shape[1] - 1)
     shared = shared_prefix_len(input_ids, attention_mask) if share_prefix else 0
     if shared >= MIN_SHARED_PREFIX and _forward_kwargs(type(model))[1]:
         return _prefix_shared_logprobs(model, input_ids, attention_mask, shared, columns, scale)
@@ -120,18 +127,76 @@ def _prefix_shared_logprobs(
     head_logits = out.logits.expand(batch, -1, -1)  # (B, K0, V)
     head_lp = _target_logprobs(head_logits, input_ids[:, 1:][:, head], scale)
     cache.batch_repeat_interleave(batch)
-    tail = _kept_columns(columns, shared, width - 1, model)
-    tail = tail if tail is not None else torch.arange(shared, width - 1, device=input_ids.device)
-    out = model(
-        input_ids=input_ids[:, shared:],
-        attention_mask=attention_mask,
-        position_ids=position_ids_from_mask(attention_mask)[:, shared:],
-        use_cache=True,
-        logits_to_keep=tail - shared,
-        **{cache_name: cache},
-    )
-    tail_lp = _target_logprobs(out.logits, input_ids[:, 1:][:, tail], scale)
+    tail, tail_lp = _tail_logprobs(model, input_ids, attention_mask, cache, shared, columns, scale)
     return _scatter_columns(torch.cat([head_lp, tail_lp], 1), torch.cat([head, tail]), width - 1)
+
+
+def _tail_logprobs(model: PreTrainedModel, input_ids: Tensor, attention_mask: Tensor, cache: Any, start: int, columns: Tensor | None, scale: float) -> tuple[Tensor, Tensor]:
+    """The wanted target columns in [start, T-1) and their (B, K) log-probs, from one pass over
+    ids [start, T) that attends to the `start` columns already in `cache`."""
+    width = input_ids.shape[1]
+    tail = _kept_columns(columns, start, width - 1, model)
+    tail = tail if tail is not None else torch.arange(start, width - 1, device=input_ids.device)
+    out = model(
+        input_ids=input_ids[:, start:],
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask)[:, start:],
+        use_cache=True,
+        logits_to_keep=tail - start,
+        **{_forward_kwargs(type(model))[0]: cache},
+    )
+    return tail, _target_logprobs(out.logits, input_ids[:, 1:][:, tail], scale)
+
+
+@dataclass
+class SharedHead:
+    """Keys/values of the leading ids that every row of a training batch shares (the system
+    prompt and tool schemas), run once, batch 1, for all of its micro-batches.
+
+    Micro-batches read detached copies (`keys`, `values`) whose gradients add up across them;
+    `backward()` then sends the sum through the head's pass once. The gradients are those of
+    running the head in every micro-batch, for one head pass per optimizer step.
+    """
+
+    ids: Tensor  # (P,)
+    keys: list[Tensor]  # per layer (1, H_kv, P, D): what the micro-batches read
+    values: list[Tensor]
+    outputs: list[Tensor]  # the head pass's keys then values, in its autograd graph
+
+    @property
+    def length(self) -> int:
+        return int(self.ids.shape[0])
+
+    def cache_for(self, model: PreTrainedModel, input_ids: Tensor, attention_mask: Tensor, columns: Tensor | None) -> Any:
+        """A cache holding the head once per row of (B, T) `input_ids`, which must start with it."""
+        length, batch = self.length, input_ids.shape[0]
+        if input_ids.shape[1] <= length or not bool((input_ids[:, :length] == self.ids).all() and attention_mask[:, :length].all()):
+            raise ValueError("every row must start with the shared head's ids, unpadded, and go on after them")
+        if columns is None or bool(columns[:length].any()):
+            raise ValueError("targets inside a shared head cannot be scored: pass a mask that wants none of them")
+        cache = dynamic_cache(model)
+        for layer, (k, v) in enumerate(zip(self.keys, self.values, strict=True)):
+            cache.update(k.expand(batch, -1, -1, -1), v.expand(batch, -1, -1, -1), layer)
+        return cache
+
+    def backward(self) -> None:
+        """Backpropagate the gradients the micro-batches left on the head's keys/values."""
+        pairs = [(out, leaf.grad) for out, leaf in zip(self.outputs, self.keys + self.values, strict=True) if leaf.grad is not None]
+        if pairs:
+            torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
+
+
+def shared_head(model: PreTrainedModel, ids: Tensor) -> SharedHead | None:
+    """Run the (P,) `ids` through `model` once (with autograd where enabled) as a `SharedHead`;
+    None for a model whose LM head cannot be skipped or whose cache is not plain per layer."""
+    cache = dynamic_cache(model)
+    if not _forward_kwargs(type(model))[1] or any(type(layer) is not DynamicLayer for layer in cache.layers):
+        return None
+    model(input_ids=ids[None], use_cache=True, logits_to_keep=1, **{_forward_kwargs(type(model))[0]: cache})
+    outputs = [layer.keys for layer in cache.layers] + [layer.values for layer in cache.layers]
+    leaves = [out.detach().requires_grad_(out.requires_grad) for out in outputs]
+    n = len(cache.layers)
+    return SharedHead(ids, leaves[:n], leaves[n:], outputs)
 
 
 def _kept_columns(columns: Tensor | None, start: int, stop: int, model: PreTrainedModel) -> Tensor | None:

@@ -147,7 +147,7 @@ def greedy_eval(model: str, episodes: int) -> tuple[float, FlopCount, float]:
     policy = HFPolicy.from_pretrained(model, temperature=0.0)
     with counting_flops(type(policy.model)) as count:
         start = time.perf_counter()
-        summary, _ = evaluate(policy, EvalConfig(ENV_ID, {**ENV_KWARGS, "split": "test"}, episodes=episodes, seed=EVAL_SEED, batch_size=64))
+        summary, _ = evaluate(policy, EvalConfig(ENV_ID, {**ENV_KWARGS, "split": "test"}, episodes=episodes, seed=EVAL_SEED))  # cgym eval's batch size
         elapsed = time.perf_counter() - start
     return elapsed, count, summary["success_rate"]
 
@@ -158,11 +158,15 @@ def run(model: str, *, steps: int, episodes: int) -> dict[str, Any]:
 
     prepare_models(model)
     load = round(os.getloadavg()[0], 2)
-    peaks = {str(d).removeprefix("torch."): round(matmul_peak_gflops(d), 1) for d in (torch.bfloat16, torch.float32)}
-    peak = peaks[str(compute_dtype()).removeprefix("torch.")]
+    before = {d: matmul_peak_gflops(d) for d in (torch.bfloat16, torch.float32)}
     eval_s, eval_count, success = greedy_eval(model, episodes)
-    with tempfile.TemporaryDirectory(prefix="cgym-floors-") as tmp:
-        times, counts, rows = grpo_steps(model, steps, Path(tmp))
+    times, counts, rows = [], [], []
+    if steps:
+        with tempfile.TemporaryDirectory(prefix="cgym-floors-") as tmp:
+            times, counts, rows = grpo_steps(model, steps, Path(tmp))
+    # the best of a measurement before and after the work: one taken first in a process once read 194 GFLOP/s against ~405
+    peaks = {str(d).removeprefix("torch."): round(max(best, matmul_peak_gflops(d)), 1) for d, best in before.items()}
+    peak = peaks[str(compute_dtype()).removeprefix("torch.")]
     median = sorted(range(len(times)), key=times.__getitem__)[len(times) // 2] if times else None
     result: dict[str, Any] = {
         "model": model,
@@ -189,7 +193,7 @@ def run(model: str, *, steps: int, episodes: int) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="an SFT'd model directory (or a short name)")
-    parser.add_argument("--steps", type=int, default=2, help="timed GRPO steps, after one warm-up step")
+    parser.add_argument("--steps", type=int, default=2, help="timed GRPO steps, after one warm-up step (0: the eval alone)")
     parser.add_argument("--episodes", type=int, default=100, help="greedy eval episodes")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)

@@ -406,3 +406,42 @@ def test_prefill_hands_the_lm_head_a_contiguous_input(model, tokenizer) -> None:
         hook.remove()
     assert seen and seen[0][0][:2] == (4, 1)  # the prefill: 4 rows, one column each
     assert all(contiguous for _, contiguous in seen)
+
+
+def test_a_shared_head_gives_the_plain_log_probs_and_gradients(tiny_dir: Path) -> None:
+    """The batch's common prefix run once, its gradients gathered over micro-batches and sent
+    through its pass once, equals every micro-batch running the whole rows."""
+    from agents.sampling import shared_head
+
+    ids, attention, mask = shared_prompt_batch()
+    mask[0, 10] = 0  # nothing scored inside the head
+    results = []
+    for use_head in (False, True):
+        net = AutoModelForCausalLM.from_pretrained(tiny_dir)
+        head = shared_head(net, ids[0, :20]) if use_head else None
+        values = []
+        for rows in ([0, 1], [2]):  # two micro-batches
+            lp = sequence_logprobs(net, ids[rows], attention[rows], mask=mask[rows], head=head, share_prefix=False)
+            (lp * mask[rows]).sum().backward()
+            values.append(lp.detach() * mask[rows])
+        if head is not None:
+            head.backward()
+        results.append((torch.cat(values), torch.cat([p.grad.flatten() for p in net.parameters()])))
+    (plain_lp, plain_grad), (head_lp, head_grad) = results
+    assert plain_grad.abs().sum() > 0
+    torch.testing.assert_close(head_lp, plain_lp, atol=1e-5, rtol=0)
+    torch.testing.assert_close(head_grad, plain_grad, atol=1e-5, rtol=1e-4)
+
+
+def test_a_shared_head_refuses_rows_it_does_not_lead_or_targets_inside_it(model) -> None:
+    from agents.sampling import shared_head
+
+    ids, attention, mask = shared_prompt_batch()
+    head = shared_head(model, ids[0, :20])
+    with pytest.raises(ValueError, match="targets inside"):
+        sequence_logprobs(model, ids, attention, mask=mask, head=head)  # mask[0, 10] is inside
+    other = ids.clone()
+    other[1, 3] += 1
+    mask[0, 10] = 0
+    with pytest.raises(ValueError, match="start with"):
+        sequence_logprobs(model, other, attention, mask=mask, head=head)

@@ -112,5 +112,6 @@ def test_every_documented_flag_is_still_there(command: str, flags: list[str]) ->
 
 def test_eval_and_compare_defaults_are_eval_config_and_sampling_defaults() -> None:
     args = build_parser().parse_args(["eval", "--env", "e", "--policy", "scripted:oracle"])
-    assert (args.episodes, args.seed, args.samples, args.batch_size, args.split) == (100, 0, 1, 32, "test")
+    defaults = EvalConfig("e")
+    assert (args.episodes, args.seed, args.samples, args.batch_size, args.split) == (defaults.episodes, defaults.seed, defaults.samples, defaults.batch_size, "test")
     assert (args.temperature, args.top_p, args.max_new_tokens) == (1.0, 1.0, 256)
