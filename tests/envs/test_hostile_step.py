@@ -95,7 +95,7 @@ def best_time(fn: Callable[[str], object], text: str, repeats: int = 3) -> float
 @pytest.mark.parametrize("run", sorted(RUNS))
 @pytest.mark.parametrize("parser", sorted(PARSERS))
 def test_parsers_take_200k_pathological_chars_in_well_under_a_second(parser: str, run: str) -> None:
-    assert best_time(PARSERS[parser], run_of(run, 200_000), repeats=1) < 0.25
+    assert best_time(PARSERS[parser], run_of(run, 200_000)) < 0.25  # best of 3: one stall is not the parser
 
 
 @pytest.mark.parametrize("run", sorted(RUNS))
