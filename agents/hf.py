@@ -20,12 +20,13 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from agents.allocator import keep_freed_memory
 from agents.base import Conversation, Turn
 from agents.chat import ChatEncoder
 from agents.kv_cache import PrefixCache
 from agents.precision import SamplingWeights
 from agents.pretrained import SHORT_NAMES, resolve_model
-from agents.sampling import Sample, SamplingParams, sample_batch
+from agents.sampling import LOOKUP_TOKENS, Sample, SamplingParams, sample_batch
 from agents.spec import SamplingOptions
 from agents.turn_cache import TurnCache
 from envs.errors import CgymError
@@ -56,7 +57,9 @@ class HFPolicy:
         device: str | torch.device = "cpu",
         seed: int | None = None,
         name: str | None = None,
+        draft_tokens: int = LOOKUP_TOKENS,
     ) -> None:
+        self.draft_tokens = draft_tokens  # greedy turns' prompt-lookup drafts per step (0: off)
         self.params = SamplingParams(
             temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens
         )
@@ -86,6 +89,8 @@ class HFPolicy:
         local directory, GGUF file or hub name (float32 on CPU, bf16 on GPU)."""
         if dtype is None:
             dtype = torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
+        if torch.device(device).type == "cpu":
+            keep_freed_memory()
         path = resolve_model(name_or_path)
         if _looks_local(path) and not Path(path).expanduser().exists():
             raise ModelLoadError(f"no model at {path}: that directory does not exist ({MODEL_FORMS})")
@@ -128,6 +133,7 @@ class HFPolicy:
             prefix_cache=self.prefix_cache,
             turn_cache=self.turn_cache,
             turn_keys=[id(conv) for conv in batch],
+            draft_tokens=self.draft_tokens,
         )
         return [self._record(conv, sample) for conv, sample in zip(batch, samples, strict=True)]
 

@@ -178,15 +178,19 @@ def shared_prefix(keys: list[Tensor], values: list[Tensor]) -> Iterator[None]:
 
 
 def use_prefix_attention(model: PreTrainedModel) -> bool:
-    """Route `model`'s attention through `prefix_attention` (SDPA whenever no prefix is active).
-    Returns False, leaving the model as it was, when it does not use SDPA-style attention."""
-    if getattr(model.config, "_attn_implementation", None) not in ("sdpa", PREFIX_ATTENTION):
+    """Route `model`'s attention through `prefix_attention` (SDPA whenever no prefix is active,
+    reading grouped kv heads in place on CPU). Returns False, leaving the model as it was, when
+    it does not use SDPA-style attention."""
+    global _sdpa
+    implementation = getattr(model.config, "_attn_implementation", None)
+    if implementation == PREFIX_ATTENTION and _sdpa is not None:
+        return True
+    if implementation not in ("sdpa", PREFIX_ATTENTION):
         return False
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    global _sdpa
     _sdpa = sdpa_attention_forward
     ALL_ATTENTION_FUNCTIONS.register(PREFIX_ATTENTION, prefix_attention)
     ALL_MASK_ATTENTION_FUNCTIONS.register(PREFIX_ATTENTION, sdpa_mask)
@@ -206,9 +210,12 @@ def prefix_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value:
     through a second, and the two merge by their log-sum-exps, exactly. It runs in fp32, which
     this kernel ran faster than bf16 here (a 32-row prefill 1.9 s against 2.1 s, and 2.5 s
     with a per-row copy of the prefix). Elsewhere each row gets a copy of the prefix for SDPA.
+    With no prefix active (the training pass) it is SDPA, through `grouped_attention` on CPU.
     """
     prefix = _PREFIX.get()
     if prefix is None:
+        if query.device.type == "cpu" and query.shape[1] != key.shape[1] and attention_mask is not None:
+            return grouped_attention(query, key, value, attention_mask, kwargs.get("scaling"), kwargs.get("dropout", 0.0)), None
         return _sdpa(module, query, key, value, attention_mask, **kwargs)
     layer = module.layer_idx
     if _FLASH_CPU is None or query.device.type != "cpu":
@@ -222,6 +229,20 @@ def prefix_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value:
     visible = _own_mask(attention_mask, query.shape[0], query.shape[2], key.shape[2], prefix_k.shape[2], query.device)
     out = split_attention(query.float(), key.float(), value.float(), prefix_k, prefix_v, visible, scale)
     return out.to(query.dtype), None
+
+
+def grouped_attention(query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor, scale: float | None, dropout: float = 0.0) -> Tensor:
+    """SDPA of (B, H, q, D) queries over (B, H_kv, S, D) keys with a mask, each kv head read by
+    its H / H_kv query heads in place; (B, q, H, D) out.
+
+    transformers repeats the kv heads (`repeat_kv`: a copy of every key and value per query
+    head, then its backward) whenever a mask is given on CPU. With `enable_gqa` the CPU flash
+    kernel reads each kv head for its group: in the GRPO training pass's shapes (4 rows, 570
+    queries over 1,310 keys, bf16) attention forward plus backward took 10-17% less time in
+    two microbenchmarks.
+    """
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scale, enable_gqa=True)
+    return out.transpose(1, 2).contiguous()
 
 
 def split_attention(query: Tensor, key: Tensor, value: Tensor, prefix_k: Tensor, prefix_v: Tensor, visible: Tensor, scale: float) -> Tensor:

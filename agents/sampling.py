@@ -22,6 +22,7 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from agents.kv_cache import GrowingLayer, PrefixCache, dynamic_cache, growing_cache, shared_prefix, use_prefix_attention
+from agents.lookup import LOOKUP_TOKENS, PromptLookup
 from agents.spec import SamplingOptions
 from agents.turn_cache import Reuse, TurnCache
 
@@ -67,6 +68,7 @@ def sequence_logprobs(
     already run for the whole batch: the rows attend to it and only their columns after it run.
     """
     scale = temperature if temperature > 0 else 1.0
+    use_prefix_attention(model)  # grouped kv heads in place (CPU), as when sampling
     columns = None if mask is None else mask.bool().any(0)  # (T-1,) columns to compute
     if head is not None:
         cache = head.cache_for(model, input_ids, attention_mask, columns)
@@ -238,6 +240,7 @@ def sample_batch(
     share_prefix: bool = True,
     turn_cache: TurnCache | None = None,
     turn_keys: Sequence[Hashable] | None = None,
+    draft_tokens: int = LOOKUP_TOKENS,
 ) -> list[Sample]:
     """Sample one continuation per prompt, stopping each row at a stop id or max_new_tokens.
 
@@ -249,6 +252,9 @@ def sample_batch(
     `turn_cache` keeps each row's keys and values under its `turn_keys` entry (a conversation's
     key), so the row's next call prefills only the ids appended since; rows are then laid out
     `[shared | padding | cached ids | padding | new ids | sampled]`.
+    Greedy calls draft up to `draft_tokens` ids per step by prompt lookup once few rows are left
+    (`PromptLookup`); drafts are verified, so the ids are those of one-at-a-time decoding up to float
+    rounding (0 turns drafting off).
     """
     if not prompts:
         return []
@@ -263,7 +269,8 @@ def sample_batch(
             raise ValueError(f"{len(turn_keys)} turn keys for {len(prompts)} prompts")
         rows = _TurnRows(turn_cache, turn_keys, prompts, shared if head is not None else 0, served)
     with shared_prefix(*head) if served and head else nullcontext():
-        return _decode(model, prompts, head, served, params, stop_ids, pad_id, generator, rows)
+        lookup = PromptLookup(prompts, draft_tokens) if params.temperature == 0 and draft_tokens > 0 else None
+        return _decode(model, prompts, head, served, params, stop_ids, pad_id, generator, rows, lookup)
 
 
 @dataclass
@@ -276,14 +283,14 @@ class _TurnRows:
     start: int  # where each row's own ids begin (the shared head ends)
     served: bool  # the head is outside the batch cache (offset columns)
 
-    def save(self, model: PreTrainedModel, cache: Any, mask: Tensor, local: Tensor, rows: Tensor, out_ids: Tensor, fed: int) -> None:
-        """Store rows' keys/values of their prompt and first `fed` sampled ids; `local` are the
-        rows' indices in the live batch (cache, mask), `rows` their original indices."""
+    def save(self, model: PreTrainedModel, cache: Any, mask: Tensor, local: Tensor, rows: Tensor, out_ids: Tensor, fed: Tensor) -> None:
+        """Store rows' keys/values of their prompt and first `fed` sampled ids; `mask` covers
+        the cache's columns, `local` are the rows' indices in the live batch (cache, mask),
+        `rows` their original indices. Ids fed past those (drafts after a stop id) are left out."""
         offset = self.start if self.served else 0
-        width = mask.shape[1] - (out_ids.shape[1] - fed)  # columns fed so far, head included
-        for i, row in zip(local.tolist(), rows.tolist()):
-            columns = mask[i, self.start : width].nonzero().squeeze(1) + (self.start - offset)
-            ids = list(self.prompts[row][self.start :]) + out_ids[row, :fed].tolist()
+        for i, row, n in zip(local.tolist(), rows.tolist(), fed.tolist()):
+            ids = list(self.prompts[row][self.start :]) + out_ids[row, :n].tolist()
+            columns = mask[i, self.start :].nonzero().squeeze(1)[: len(ids)] + (self.start - offset)
             keys = [layer.keys[i][:, columns] for layer in cache.layers]
             values = [layer.values[i][:, columns] for layer in cache.layers]
             self.cache.put(model, self.keys[row], self.start, ids, keys, values)
@@ -299,6 +306,7 @@ def _decode(
     pad_id: int,
     generator: torch.Generator | None,
     rows: _TurnRows | None = None,
+    lookup: PromptLookup | None = None,
 ) -> list[Sample]:
     device = model.device
     steps = params.max_new_tokens
@@ -307,37 +315,88 @@ def _decode(
     if rows is not None and not all(isinstance(layer, GrowingLayer) for layer in cache.layers):
         rows = None  # e.g. sliding-window layers: not laid out for per-row reuse
 
-    batch = len(prompts)
-    prompt_width = mask.shape[1] - steps
-    out_ids = torch.full((batch, steps), pad_id, dtype=torch.long, device=device)
-    out_lp = torch.zeros((batch, steps), dtype=torch.float32, device=device)
-    lengths = torch.full((batch,), steps, dtype=torch.long)
-    stopped = torch.zeros(batch, dtype=torch.bool)
-    stop = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
-    active = torch.arange(batch, device=device)  # original row of each live row
-    for t in range(steps):
-        tok, lp = _pick(logits, params, generator)  # (b,), (b,)
-        out_ids[active, t] = tok
-        out_lp[active, t] = lp
-        done = torch.isin(tok, stop)
+    out = _Outputs.empty(len(prompts), steps, pad_id, stop_ids, device)
+    width = mask.shape[1] - steps  # the cache's columns; `mask` has room for `steps` more
+    active = torch.arange(len(prompts), device=device)  # original row of each live row
+    tok, lp = _pick(logits, params, generator)  # (b,), (b,)
+    new_ids, new_lp, emit = tok[:, None], lp[:, None], torch.ones_like(tok)
+    while True:
+        kept, done = out.record(active, new_ids, new_lp, emit)
+        if lookup is not None:
+            lookup.extend(active.tolist(), [ids[:k] for ids, k in zip(new_ids.tolist(), kept.tolist())])
+        tok = new_ids.gather(1, (kept - 1).clamp(min=0)[:, None]).squeeze(1)  # each row's last id, not yet fed
         if bool(done.any()):
             if rows is not None:
-                rows.save(model, cache, mask, done.nonzero().squeeze(1), active[done], out_ids, t)
-            finished = active[done].cpu()
-            lengths[finished] = t + 1
-            stopped[finished] = True
+                rows.save(model, cache, mask[:, :width], done.nonzero().squeeze(1), active[done], out.ids, out.count[active[done]] - 1)
             keep = (~done).nonzero().squeeze(1)
             if keep.numel() == 0:
                 break
             active, tok, next_pos, mask = active[keep], tok[keep], next_pos[keep], mask[keep]
             cache.batch_select_indices(keep)
-        if t + 1 == steps:
-            if rows is not None:
-                rows.save(model, cache, mask, torch.arange(len(active)), active, out_ids, t)
-            break
-        logits = _next_logits(model, tok[:, None], mask[:, : prompt_width + t + 1], next_pos, cache)
-        next_pos = next_pos + 1
-    return _collect(out_ids.cpu(), out_lp.cpu(), lengths, stopped)
+        drafts = lookup.propose(active.tolist()) if lookup is not None else None
+        fed = tok[:, None] if drafts is None else torch.cat([tok[:, None], drafts.to(device)], 1)  # (b, n)
+        n = fed.shape[1]
+        if width + n > mask.shape[1]:
+            mask = torch.cat([mask, mask.new_ones((mask.shape[0], max(n, steps)))], 1)
+        mask[:, width : width + n] = 1
+        positions = next_pos + torch.arange(n, device=device)
+        if drafts is None:
+            tok, lp = _pick(_next_logits(model, fed, mask[:, : width + n], positions, cache), params, generator)
+            new_ids, new_lp, emit = tok[:, None], lp[:, None], torch.ones_like(tok)
+        else:
+            new_ids, new_lp, emit = _check_drafts(model, fed, mask[:, : width + n], positions, cache)
+            mask[:, width : width + n] = torch.arange(n, device=device) < emit[:, None]  # rejected drafts: masked out
+        next_pos = next_pos + emit[:, None]
+        width += n
+    return _collect(out.ids.cpu(), out.logprobs.cpu(), out.count.cpu(), out.stopped.cpu())
+
+
+@dataclass
+class _Outputs:
+    """Each row's emitted ids and their log-probs, as rows emit one id or several per step."""
+
+    ids: Tensor  # (B, steps)
+    logprobs: Tensor  # (B, steps)
+    count: Tensor  # (B,) ids emitted
+    stopped: Tensor  # (B,) ended on a stop id
+    stop: Tensor  # the stop ids
+
+    @classmethod
+    def empty(cls, batch: int, steps: int, pad_id: int, stop_ids: Collection[int], device: torch.device) -> _Outputs:
+        return cls(
+            torch.full((batch, steps), pad_id, dtype=torch.long, device=device),
+            torch.zeros((batch, steps), dtype=torch.float32, device=device),
+            torch.zeros(batch, dtype=torch.long, device=device),
+            torch.zeros(batch, dtype=torch.bool, device=device),
+            torch.tensor(sorted(stop_ids), dtype=torch.long, device=device),
+        )
+
+    def record(self, active: Tensor, new_ids: Tensor, new_lp: Tensor, emit: Tensor) -> tuple[Tensor, Tensor]:
+        """Write each live row's first `emit` of its (b, n) new ids, up to and including its first
+        stop id and within `steps`; returns how many each row kept and which rows are done."""
+        n, steps = new_ids.shape[1], self.ids.shape[1]
+        place = self.count[active, None] + torch.arange(n, device=new_ids.device)  # (b, n) output columns
+        hit = torch.isin(new_ids, self.stop) & (place < steps)
+        first_stop = torch.where(hit.any(1), hit.long().argmax(1) + 1, n + 1)  # n + 1: none
+        kept = torch.minimum(torch.minimum(emit, first_stop), steps - self.count[active])  # (b,)
+        written = torch.arange(n, device=new_ids.device) < kept[:, None]
+        rows = active[:, None].expand(-1, n)[written]
+        self.ids[rows, place[written]] = new_ids[written]
+        self.logprobs[rows, place[written]] = new_lp[written]
+        self.count[active] += kept
+        stopped = first_stop <= kept
+        self.stopped[active[stopped]] = True
+        return kept, stopped | (self.count[active] >= steps)
+
+
+def _check_drafts(model: PreTrainedModel, fed: Tensor, mask: Tensor, positions: Tensor, cache: Any) -> tuple[Tensor, Tensor, Tensor]:
+    """One greedy forward over (b, n) ids: each row's last id then n - 1 drafts. Returns the
+    argmax after each position (b, n), its log-prob, and how many to emit per row: the drafts
+    that match the argmax before them, then the argmax after the last of those."""
+    logp = torch.log_softmax(_next_logits(model, fed, mask, positions, cache, every=True).float(), -1)
+    greedy = logp.argmax(-1)  # (b, n)
+    accepted = (fed[:, 1:] == greedy[:, :-1]).long().cumprod(1).sum(1)  # (b,)
+    return greedy, logp.gather(-1, greedy[..., None]).squeeze(-1), accepted + 1
 
 
 def common_prefix_len(prompts: Sequence[Sequence[int]]) -> int:
@@ -474,16 +533,17 @@ def _top_p_mask(logp: Tensor, top_p: float) -> Tensor:
 
 
 def _next_logits(
-    model: PreTrainedModel, ids: Tensor, mask: Tensor, positions: Tensor, cache: Any
+    model: PreTrainedModel, ids: Tensor, mask: Tensor, positions: Tensor, cache: Any, *, every: bool = False
 ) -> Tensor:
-    """One forward step through the cache; returns the last position's logits (b, V)."""
+    """One forward step through the cache; returns the last position's logits (b, V), or with
+    `every` each position's (b, T, V)."""
     kwargs = {_forward_kwargs(type(model))[0]: cache}
     if _forward_kwargs(type(model))[1]:
-        kwargs["logits_to_keep"] = last_column(ids)
+        kwargs["logits_to_keep"] = 0 if every else last_column(ids)
     out = model(
         input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **kwargs
     )
-    return out.logits[:, -1]
+    return out.logits if every else out.logits[:, -1]
 
 
 def last_column(ids: Tensor) -> int | Tensor:

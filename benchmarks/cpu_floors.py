@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import resource
 import tempfile
 import time
 from collections.abc import Iterator
@@ -27,6 +28,7 @@ from typing import Any
 
 import torch
 
+from agents.sampling import LOOKUP_TOKENS
 from benchmarks.output import emit
 
 ENV_ID = "cgym/ApiReport-v0"
@@ -139,12 +141,12 @@ def grpo_steps(model: str, steps: int, out: Path) -> tuple[list[float], list[Flo
     return times, counts, rows
 
 
-def greedy_eval(model: str, episodes: int) -> tuple[float, FlopCount, float]:
+def greedy_eval(model: str, episodes: int, draft_tokens: int) -> tuple[float, FlopCount, float]:
     from agents.evaluate import EvalConfig, evaluate
     from agents.hf import HFPolicy
     from trainer.grpo import EVAL_SEED
 
-    policy = HFPolicy.from_pretrained(model, temperature=0.0)
+    policy = HFPolicy.from_pretrained(model, temperature=0.0, draft_tokens=draft_tokens)
     with counting_flops(type(policy.model)) as count:
         start = time.perf_counter()
         summary, _ = evaluate(policy, EvalConfig(ENV_ID, {**ENV_KWARGS, "split": "test"}, episodes=episodes, seed=EVAL_SEED))  # cgym eval's batch size
@@ -152,14 +154,15 @@ def greedy_eval(model: str, episodes: int) -> tuple[float, FlopCount, float]:
     return elapsed, count, summary["success_rate"]
 
 
-def run(model: str, *, steps: int, episodes: int) -> dict[str, Any]:
+def run(model: str, *, steps: int, episodes: int, draft_tokens: int = LOOKUP_TOKENS) -> dict[str, Any]:
+    from agents.allocator import keep_freed_memory
     from agents.precision import compute_dtype
     from trainer.embedded import prepare_models
 
     prepare_models(model)
     load = round(os.getloadavg()[0], 2)
     before = {d: matmul_peak_gflops(d) for d in (torch.bfloat16, torch.float32)}
-    eval_s, eval_count, success = greedy_eval(model, episodes)
+    eval_s, eval_count, success = greedy_eval(model, episodes, draft_tokens)
     times, counts, rows = [], [], []
     if steps:
         with tempfile.TemporaryDirectory(prefix="cgym-floors-") as tmp:
@@ -175,7 +178,7 @@ def run(model: str, *, steps: int, episodes: int) -> dict[str, Any]:
         "threads": torch.get_num_threads(),
         "compute_dtype": str(compute_dtype()).removeprefix("torch."),
         "matmul_peak_gflops": peaks,
-        "eval": {"episodes": episodes, "success_rate": success, **figure(eval_s, eval_count, peak)},
+        "eval": {"episodes": episodes, "draft_tokens": draft_tokens, "success_rate": success, **figure(eval_s, eval_count, peak)},
         "load_avg_1min": {"start": load},
     }
     if median is not None:
@@ -187,6 +190,8 @@ def run(model: str, *, steps: int, episodes: int) -> dict[str, Any]:
             **figure(times[median], counts[median], peak),
         }
     result["load_avg_1min"]["end"] = round(os.getloadavg()[0], 2)
+    result["peak_rss_gb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)
+    result["malloc_keeps_freed_memory"] = keep_freed_memory()
     return result
 
 
@@ -195,11 +200,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", required=True, help="an SFT'd model directory (or a short name)")
     parser.add_argument("--steps", type=int, default=2, help="timed GRPO steps, after one warm-up step (0: the eval alone)")
     parser.add_argument("--episodes", type=int, default=100, help="greedy eval episodes")
+    parser.add_argument("--draft-tokens", type=int, default=LOOKUP_TOKENS, help="the greedy eval's prompt-lookup drafts per step (0: off)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     import envs  # noqa: F401 - registers the built-in envs
 
-    emit(run(args.model, steps=args.steps, episodes=args.episodes), args.json)
+    emit(run(args.model, steps=args.steps, episodes=args.episodes, draft_tokens=args.draft_tokens), args.json)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from rich.progress import (
 from torch import Tensor
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from agents.allocator import keep_freed_memory
 from agents.chat import ChatEncoder
 from agents.precision import autocast
 from agents.pretrained import resolve_model
@@ -100,6 +101,7 @@ def fit(
             f"{len(examples)} examples"
         )
     model_dir_in = resolve_model(model_dir_in)
+    keep_freed_memory()
     model = AutoModelForCausalLM.from_pretrained(model_dir_in, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(model_dir_in)
     pad_id = tokenizer.pad_token_id

@@ -445,3 +445,38 @@ def test_a_shared_head_refuses_rows_it_does_not_lead_or_targets_inside_it(model)
     mask[0, 10] = 0
     with pytest.raises(ValueError, match="start with"):
         sequence_logprobs(model, other, attention, mask=mask, head=head)
+
+
+@contextmanager
+def counted_forwards(model) -> Iterator[list[int]]:
+    """The width of every forward call's input ids."""
+    widths: list[int] = []
+    hook = model.register_forward_pre_hook(lambda _, args, kwargs: widths.append(kwargs["input_ids"].shape[1]), with_kwargs=True)
+    try:
+        yield widths
+    finally:
+        hook.remove()
+
+
+@pytest.mark.parametrize("share_prefix", [False, True], ids=["own-prefix", "shared-prefix"])
+def test_prompt_lookup_drafts_keep_the_greedy_ids(model, tokenizer, share_prefix: bool) -> None:
+    """Greedy rows draft ids from their own context and verify them in one forward: the same
+    ids and log-probs as one id per forward, in fewer forwards (the tiny model repeats itself)."""
+    from agents.sampling import LOOKUP_TOKENS, SamplingParams, sample_batch
+
+    prompts = _prefixed_prompts(tokenizer, n=3)
+    params = SamplingParams(temperature=0.0, max_new_tokens=40)
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+    def run(draft_tokens: int):
+        with counted_forwards(model) as widths:
+            samples = sample_batch(model, prompts, params=params, stop_ids={end}, pad_id=0, share_prefix=share_prefix, draft_tokens=draft_tokens)
+        return samples, widths
+
+    (plain, plain_widths), (drafted, drafted_widths) = run(0), run(LOOKUP_TOKENS)
+    assert [s.ids for s in drafted] == [s.ids for s in plain]
+    assert [s.stopped for s in drafted] == [s.stopped for s in plain]
+    for a, b in zip(drafted, plain, strict=True):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
+    assert LOOKUP_TOKENS + 1 in drafted_widths  # drafts were checked...
+    assert len(drafted_widths) < len(plain_widths)  # ... and kept: fewer forwards

@@ -69,3 +69,28 @@ def test_split_attention_matches_a_copied_prefix(q_len: int) -> None:
     want = reference_attention(query, key, value, prefix_k, prefix_v, visible, dim**-0.5)
     assert got.shape == (batch, q_len, heads, dim)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_grouped_attention_matches_repeated_kv_heads_with_gradients() -> None:
+    """The training pass's attention (no shared prefix, a padding mask) reads each kv head for its
+    query heads in place; values and gradients equal SDPA over repeated kv heads."""
+    from agents.kv_cache import grouped_attention
+
+    torch.manual_seed(0)
+    batch, heads, kv_heads, q_len, keys, dim = 2, 6, 2, 5, 9, 8
+    causal = torch.arange(keys)[None] <= torch.arange(q_len)[:, None] + (keys - q_len)
+    mask = causal[None, None].repeat(batch, 1, 1, 1)
+    mask[1, ..., :3] = False  # row 1 is left-padded by 3
+    inputs = [torch.randn(batch, heads, q_len, dim), torch.randn(batch, kv_heads, keys, dim), torch.randn(batch, kv_heads, keys, dim)]
+    ours = [t.clone().requires_grad_() for t in inputs]
+    theirs = [t.clone().requires_grad_() for t in inputs]
+    got = grouped_attention(*ours, mask, dim**-0.5)
+    q, k, v = theirs
+    want = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), attn_mask=mask).transpose(1, 2)
+    assert got.shape == (batch, q_len, heads, dim)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    weights = torch.randn_like(want)
+    (got * weights).sum().backward()
+    (want * weights).sum().backward()
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-5)

@@ -106,3 +106,28 @@ def test_reuse_leaves_an_id_to_compute_and_checks_the_ids(tiny_dir: Path) -> Non
     assert cache.hits == 1  # different leading ids: recomputed
     with pytest.raises(ValueError, match="turn keys"):
         sample_batch(model, [prompt, prompt], params=params, stop_ids={0}, pad_id=0, turn_cache=cache, turn_keys=["a"])
+
+
+def test_a_drafted_turn_leaves_the_same_cache_as_one_id_at_a_time(tiny_dir: Path) -> None:
+    """Prompt-lookup drafts leave masked-out columns in the cache (rejected drafts) and may feed
+    ids past a stop id or max_new_tokens; the saved entry holds exactly the row's fed ids, so the
+    next turn matches."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
+    prompt = tokenizer.encode("<|im_start|>user\n" + "customer 7 ordered 3 items. " * 4 + "<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+    params = SamplingParams(temperature=0.0, max_new_tokens=31)  # the last drafts overrun the room: fed, not saved
+    stop = {tokenizer.convert_tokens_to_ids("<|im_end|>")}
+    entries = []
+    for draft_tokens in (0, 4):
+        cache = TurnCache()
+        first = sample_batch(model, [prompt, prompt[1:]], params=params, stop_ids=stop, pad_id=0, turn_cache=cache, turn_keys=["a", "b"], share_prefix=False, draft_tokens=draft_tokens)
+        entries.append((first, cache.entries["a"]))
+        longer = prompt + first[0].ids + prompt[-8:]
+        again = sample_batch(model, [longer], params=params, stop_ids=stop, pad_id=0, turn_cache=cache, turn_keys=["a"], share_prefix=False, draft_tokens=draft_tokens)[0]
+        fresh = sample_batch(model, [longer], params=params, stop_ids=stop, pad_id=0, share_prefix=False, draft_tokens=0)[0]
+        assert again.ids == fresh.ids and cache.hits == 1
+    (plain, plain_entry), (drafted, drafted_entry) = entries
+    assert [s.ids for s in drafted] == [s.ids for s in plain]
+    assert drafted_entry.ids == plain_entry.ids
+    for a, b in zip(drafted_entry.keys, plain_entry.keys, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)

@@ -1,0 +1,35 @@
+"""glibc malloc settings for large CPU tensors: keep freed memory for reuse.
+
+glibc serves every allocation above its mmap threshold (128 KiB, adjusting up to 32 MiB) with a
+fresh `mmap` and returns it on free, so each large tensor a forward pass makes pays one page fault
+per 4 KiB page when first written. On this project's 2-core machine a multiply into a new 62 MB
+fp32 tensor took 20 ms that way and 6 ms with the settings below, and a 100-episode greedy eval
+of SmolLM2 went from 66 s to 56 s. The cost: freed memory stays with the process, for its next
+tensors, instead of going back to the OS (the peak resident size is what it was).
+`CGYM_MALLOC=default` leaves glibc's settings alone.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import sys
+from functools import cache
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (glibc's malloc.h)
+KEEP_BELOW = 1 << 30  # allocations up to 1 GiB come from the heap; up to 1 GiB of free top is kept
+
+
+@cache
+def keep_freed_memory() -> bool:
+    """Raise glibc's mmap and trim thresholds to `KEEP_BELOW` (once per process). True when
+    set; False on other platforms or C libraries, or with `CGYM_MALLOC=default`."""
+    if os.environ.get("CGYM_MALLOC", "").lower() == "default" or not sys.platform.startswith("linux"):
+        return False
+    try:
+        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
+    except (OSError, AttributeError):  # no libc by that name, or one without mallopt (musl)
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(mallopt(M_MMAP_THRESHOLD, KEEP_BELOW)) and bool(mallopt(M_TRIM_THRESHOLD, KEEP_BELOW))
