@@ -20,44 +20,39 @@ LOOKUP_NGRAMS = (3, 2)  # match the row's last 3 ids, else its last 2
 
 class PromptLookup:
     """Drafts for greedy rows: the ids that followed the latest earlier occurrence of a row's
-    last few ids, in its prompt or its own output (tool results and reports repeat each other)."""
+    last few ids, in its prompt or its own output (tool results and reports repeat each other).
+
+    A row's context and n-gram index are built on its first draft, when few rows are left, and
+    then follow the ids it emits."""
 
     def __init__(self, prompts: Sequence[Sequence[int]], tokens: int) -> None:
+        self.prompts = prompts
         self.tokens = tokens
-        self.context = [list(p) for p in prompts]
-        self.index: list[dict[tuple[int, ...], int] | None] = [None] * len(prompts)
+        self.context: dict[int, list[int]] = {}  # row -> prompt + emitted ids, once it drafts
+        self.index: dict[int, dict[tuple[int, ...], int]] = {}  # row -> n-gram -> where the id after it is
 
-    def extend(self, rows: list[int], new: list[list[int]]) -> None:
-        """Append each row's newly emitted ids to its context (and its n-gram index, once built)."""
-        for row, ids in zip(rows, new):
-            context, index = self.context[row], self.index[row]
-            for token in ids:
-                context.append(token)
-                if index is not None:
-                    for n in LOOKUP_NGRAMS:  # the n ids before `token` are followed by it
-                        if len(context) > n:
-                            index[tuple(context[-n - 1 : -1])] = len(context) - 1
-
-    def propose(self, rows: list[int]) -> Tensor | None:
-        """(b, tokens) drafts, or None when there are too many rows or nothing matches."""
-        if len(rows) > LOOKUP_ROWS:
-            return None
-        drafts = [self._draft(row) for row in rows]
+    def propose(self, emitted: dict[int, list[int]]) -> Tensor | None:
+        """(b, tokens) drafts for the live rows, given each one's emitted ids so far (row -> ids,
+        in batch order); None when nothing matches. The sampler asks only while at most
+        `LOOKUP_ROWS` rows are live."""
+        drafts = [self._draft(row, ids) for row, ids in emitted.items()]
         if not any(drafts):
             return None
         filler = [0] * self.tokens  # any id: a wrong draft is rejected, a right one kept
         return torch.tensor([(d + filler)[: self.tokens] for d in drafts], dtype=torch.long)
 
-    def _draft(self, row: int) -> list[int]:
-        """Up to `tokens` ids after the latest earlier match of the row's last ids ([] if none);
-        the row's n-gram index is built on its first draft, when few rows are left."""
-        context = self.context[row]
-        index = self.index[row]
-        if index is None:
-            index = self.index[row] = {}
-            for n in LOOKUP_NGRAMS:
-                for end in range(n, len(context)):
-                    index[tuple(context[end - n : end])] = end
+    def _draft(self, row: int, emitted: list[int]) -> list[int]:
+        """Up to `tokens` ids after the latest earlier match of the row's last ids ([] if none)."""
+        prompt = self.prompts[row]
+        fresh = row not in self.context
+        if fresh:
+            self.context[row], self.index[row] = list(prompt), {}
+        context, index = self.context[row], self.index[row]
+        start = 0 if fresh else len(context)  # the ids `end` whose preceding n-grams are not indexed yet
+        context.extend(emitted[len(context) - len(prompt) :])
+        for n in LOOKUP_NGRAMS:  # the n ids before `end` are followed by it; the latest wins
+            for end in range(max(n, start), len(context)):
+                index[tuple(context[end - n : end])] = end
         for n in LOOKUP_NGRAMS:
             at = index.get(tuple(context[-n:]))
             if at is not None:

@@ -22,7 +22,7 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from agents.kv_cache import GrowingLayer, PrefixCache, dynamic_cache, growing_cache, shared_prefix, use_prefix_attention
-from agents.lookup import LOOKUP_TOKENS, PromptLookup
+from agents.lookup import LOOKUP_ROWS, LOOKUP_TOKENS, PromptLookup
 from agents.spec import SamplingOptions
 from agents.turn_cache import Reuse, TurnCache
 
@@ -322,8 +322,6 @@ def _decode(
     new_ids, new_lp, emit = tok[:, None], lp[:, None], torch.ones_like(tok)
     while True:
         kept, done = out.record(active, new_ids, new_lp, emit)
-        if lookup is not None:
-            lookup.extend(active.tolist(), [ids[:k] for ids, k in zip(new_ids.tolist(), kept.tolist())])
         tok = new_ids.gather(1, (kept - 1).clamp(min=0)[:, None]).squeeze(1)  # each row's last id, not yet fed
         if bool(done.any()):
             if rows is not None:
@@ -333,7 +331,9 @@ def _decode(
                 break
             active, tok, next_pos, mask = active[keep], tok[keep], next_pos[keep], mask[keep]
             cache.batch_select_indices(keep)
-        drafts = lookup.propose(active.tolist()) if lookup is not None else None
+        drafts = None
+        if lookup is not None and len(active) <= LOOKUP_ROWS:
+            drafts = lookup.propose({row: out.ids[row, : out.count[row]].tolist() for row in active.tolist()})
         fed = tok[:, None] if drafts is None else torch.cat([tok[:, None], drafts.to(device)], 1)  # (b, n)
         n = fed.shape[1]
         if width + n > mask.shape[1]:
