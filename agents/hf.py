@@ -24,7 +24,7 @@ from agents.allocator import keep_freed_memory
 from agents.base import Conversation, Turn
 from agents.chat import ChatEncoder
 from agents.kv_cache import PrefixCache
-from agents.precision import SamplingWeights
+from agents.precision import SamplingWeights, compute_dtype
 from agents.pretrained import SHORT_NAMES, resolve_model
 from agents.sampling import LOOKUP_TOKENS, Sample, SamplingParams, sample_batch
 from agents.spec import SamplingOptions
@@ -86,9 +86,14 @@ class HFPolicy:
         **kw: Any,
     ) -> HFPolicy:
         """Load model and tokenizer by short name (`smollm2-135m`, `tiny`; fetched on first use),
-        local directory, GGUF file or hub name (float32 on CPU, bf16 on GPU)."""
+        local directory, GGUF file or hub name.
+
+        `dtype` defaults to the compute dtype (`agents.precision`: bf16 on GPUs and on CPUs with
+        native bf16), the dtype sampling runs in, so a policy that only samples holds one copy
+        of the weights. A trainer passes float32 for its master weights and samples from a
+        bf16 copy."""
         if dtype is None:
-            dtype = torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
+            dtype = compute_dtype(device)
         if torch.device(device).type == "cpu":
             keep_freed_memory()
         path = resolve_model(name_or_path)

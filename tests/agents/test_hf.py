@@ -348,6 +348,20 @@ def test_from_pretrained(tiny_dir: Path) -> None:
     assert len(policy.act([new_conversation()])) == 1
 
 
+def test_from_pretrained_loads_in_the_compute_dtype(tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A policy that only samples holds the weights once, in the dtype it samples in; a trainer
+    asks for float32 master weights and samples from a copy."""
+    from agents.precision import DTYPE_ENV
+
+    monkeypatch.setenv(DTYPE_ENV, "bfloat16")
+    policy = HFPolicy.from_pretrained(tiny_dir, max_new_tokens=3, seed=0)
+    assert policy.model.dtype == torch.bfloat16
+    assert policy.sampling_weights.get() is policy.model
+    assert len(policy.act([new_conversation()])) == 1
+    master = HFPolicy.from_pretrained(tiny_dir, dtype=torch.float32, max_new_tokens=3, seed=0)
+    assert master.model.dtype == torch.float32 and master.sampling_weights.get().dtype == torch.bfloat16
+
+
 def _prefixed_prompts(tokenizer, n: int = 4) -> list[list[int]]:
     system = tokenizer.encode("<|im_start|>system\nYou are an API agent. " + "Report every order. " * 6 + "<|im_end|>\n", add_special_tokens=False)
     return [system + tokenizer.encode(f"<|im_start|>user\ncustomer {7 * i + 1}<|im_end|>\n" * (1 + i % 2), add_special_tokens=False) for i in range(n)]

@@ -69,6 +69,12 @@ def test_split_attention_matches_a_copied_prefix(q_len: int) -> None:
     want = reference_attention(query, key, value, prefix_k, prefix_v, visible, dim**-0.5)
     assert got.shape == (batch, q_len, heads, dim)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # the sampler's case: queries and own keys in bf16 (the cache's dtype), the prefix's fp32 copy
+    low = [t.bfloat16() for t in (query, key, value)]
+    got = split_attention(*low, prefix_k, prefix_v, visible, dim**-0.5)
+    want = reference_attention(*(t.float() for t in low), prefix_k, prefix_v, visible, dim**-0.5)
+    assert got.dtype == torch.float32 and not got.isnan().any()
+    torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)  # bf16 rounding of the own part: ~3e-3 here
 
 
 def test_grouped_attention_matches_repeated_kv_heads_with_gradients() -> None:
