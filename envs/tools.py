@@ -173,9 +173,8 @@ def _validator(name: str, parameters: dict[str, Any]) -> Validator:
 
     Envs build their tools at every reset of a fresh instance (an eval makes one env per
     episode), and building a validator (checking the schema, deriving a validator class) took
-    ~5 ms a tool: 2.5 s of a 100-episode ApiReport eval. Validators are stateless, so tools whose
-    schemas serialize alike share one (the
-    512 latest).
+    ~5 ms a tool: 2.5 s of a 100-episode ApiReport eval. Validators are stateless, so tools with
+    the same name and schema (as JSON) share one; the 512 latest are kept.
     """
     if not isinstance(parameters, dict):
         raise ToolSchemaError(f"tool {name!r}: parameters must be a JSON object schema, got {type(parameters).__name__}")
