@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--samples", type=int, default=8, help="K, for pass@K")
     parser.add_argument("--temperature", type=float, default=1.0, help="the training temperature")
     parser.add_argument("--max-new-tokens", type=int, default=96)
-    parser.add_argument("--batch-size", type=int, default=64, help="episodes sampled at once (128 sampled ApiReport hard episodes outgrew 24 GB)")
+    parser.add_argument("--batch-size", type=int, default=64, help="episodes sampled at once (sampled ApiReport hard episodes outgrew 24 GB at 128 and at 64 at once: give it 32 or fewer there)")
     parser.add_argument("--out", type=Path, default=Path("runs/headroom"))
     parser.add_argument("--json", type=Path, default=Path("runs/headroom.json"))
     args = parser.parse_args(argv)
