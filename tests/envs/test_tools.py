@@ -62,3 +62,26 @@ def test_null_optional_argument_means_default() -> None:
 
 def test_int_accepted_for_number() -> None:
     assert TOOL.check_arguments({"customer_id": 1, "ratio": 2}) is None
+
+
+def test_tools_rebuilt_at_each_reset_share_one_validator() -> None:
+    """A fresh env builds its tools at every reset; the same name and schema reuse the validator
+    (building one took ~5 ms), and a schema that differs gets its own, with its own rules."""
+    again = Tool.from_function(lookup)
+    assert again._validator is TOOL._validator
+    assert again.check_arguments({"customer_id": 3}) is None
+
+    narrower = Tool.from_schema({"name": "lookup", "parameters": {"type": "object", "properties": {"customer_id": {"type": "string"}}}}, lookup)
+    assert narrower._validator is not TOOL._validator
+    assert narrower.check_arguments({"customer_id": 3}).code == "invalid_argument"
+    assert TOOL.check_arguments({"customer_id": 3}) is None
+
+
+def test_a_bad_schema_is_refused_every_time() -> None:
+    """Failed builds are not cached: the second identical bad schema is refused too."""
+    from envs.tools import ToolSchemaError
+
+    bad = {"name": "t", "parameters": {"type": "object", "properties": {"x": {"type": "integr"}}}}
+    for _ in range(2):
+        with pytest.raises(ToolSchemaError, match="'t'"):
+            Tool.from_schema(bad, lookup)
