@@ -22,6 +22,7 @@ from transformers import (
 
 from agents.allocator import keep_freed_memory
 from agents.base import Conversation, Turn
+from agents.batching import kv_budgets, kv_bytes_per_token, length_chunks
 from agents.chat import ChatEncoder
 from agents.kv_cache import PrefixCache
 from agents.precision import SamplingWeights, compute_dtype
@@ -67,7 +68,8 @@ class HFPolicy:
         self.tokenizer = tokenizer
         self.encoder = ChatEncoder(tokenizer)
         self.prefix_cache = PrefixCache()  # the system prompt's keys/values, shared by every episode
-        self.turn_cache = TurnCache()  # each live conversation's keys/values, for its next turn
+        self.batch_budget, turn_budget = kv_budgets()  # bytes: one sampling chunk's cache; the turn cache
+        self.turn_cache: TurnCache | None = TurnCache(turn_budget)  # each live conversation's keys/values, for its next turn
         self.sampling_weights = SamplingWeights(self.model)
         self.generator = torch.Generator(device=device)
         if seed is None:
@@ -122,25 +124,40 @@ class HFPolicy:
         return ids
 
     def act(self, batch: Sequence[Conversation]) -> list[Turn]:
-        """Sync the ledgers, sample one turn per conversation in one batched decode, record it."""
+        """Sync the ledgers, sample one turn per conversation (rows of similar length decode
+        together, `agents.batching`), record it."""
         for conv in batch:
             self.encoder.sync(conv)
-        pad_id = self.tokenizer.pad_token_id
         if self.sampling_weights.model is not self.model:  # the model was swapped (e.g. wrapped in LoRA)
             self.sampling_weights = SamplingWeights(self.model)
-        samples = sample_batch(
-            self.sampling_weights.get(),
-            [conv.token_ids for conv in batch],
+        model = self.sampling_weights.get()
+        if self.turn_cache is not None:
+            self.turn_cache.keep_only({id(conv) for conv in batch})
+        samples: dict[int, Sample] = {}
+        for chunk in self._chunks(model, batch):
+            samples.update(zip(chunk, self._sample(model, [batch[i] for i in chunk]), strict=True))
+        return [self._record(conv, samples[row]) for row, conv in enumerate(batch)]
+
+    def _chunks(self, model: PreTrainedModel, batch: Sequence[Conversation]) -> list[list[int]]:
+        """Rows that sample together (`agents.batching`): similar lengths, within the budget."""
+        per_token = kv_bytes_per_token(model.config, model.dtype.itemsize)
+        lengths = [len(conv.token_ids) for conv in batch]
+        return length_chunks(lengths, room=self.params.max_new_tokens, bytes_per_token=per_token, budget=self.batch_budget)
+
+    def _sample(self, model: PreTrainedModel, convs: Sequence[Conversation]) -> list[Sample]:
+        pad_id = self.tokenizer.pad_token_id
+        return sample_batch(
+            model,
+            [conv.token_ids for conv in convs],
             params=self.params,
             stop_ids=self.stop_ids,
             pad_id=pad_id if pad_id is not None else self.encoder.end_of_turn_id,
             generator=self.generator,
             prefix_cache=self.prefix_cache,
             turn_cache=self.turn_cache,
-            turn_keys=[id(conv) for conv in batch],
+            turn_keys=[id(conv) for conv in convs],
             draft_tokens=self.draft_tokens,
         )
-        return [self._record(conv, sample) for conv, sample in zip(batch, samples, strict=True)]
 
     def _record(self, conv: Conversation, sample: Sample) -> Turn:
         """Append a sample to the ledger and make its Turn.

@@ -312,6 +312,7 @@ def _decode(
     steps = params.max_new_tokens
     reuse = rows.cache.take(model, rows.keys, prompts, rows.start) if rows is not None else None
     cache, mask, logits, next_pos = _prefill(model, prompts, head, served, steps, pad_id, reuse)
+    del reuse  # the taken entries, copied into the cache: free them before the rows save anew
     if rows is not None and not all(isinstance(layer, GrowingLayer) for layer in cache.layers):
         rows = None  # e.g. sliding-window layers: not laid out for per-row reuse
 

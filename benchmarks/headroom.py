@@ -9,7 +9,8 @@ ENV:DIFFICULTY` to choose) this warm-starts the model on scripted demonstrations
 then on the same `--tasks` test tasks measures greedy success and, at `--temperature`, pass@1,
 pass@K and how many tasks K samples solve never, sometimes or always. GRPO learns from the
 "sometimes" tasks (a group with mixed rewards); Critique-GRPO also from the "never" ones, when a
-critique-guided refinement succeeds. The JSON is rewritten after every split.
+critique-guided refinement succeeds. The JSON is rewritten after every step of a split (SFT,
+greedy eval, sampled eval).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +36,10 @@ def parse_split(text: str) -> tuple[str, str]:
     return ENVS[family], difficulty
 
 
-def measure_split(env_id: str, difficulty: str, args: argparse.Namespace) -> dict[str, Any]:
-    """SFT on `args.demos` train demos of the split, then the greedy and sampled test evals."""
+def measure_split(env_id: str, difficulty: str, args: argparse.Namespace, save: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+    """SFT on `args.demos` train demos of the split (or, with `--reuse-sft`, the checkpoint a
+    previous run left), then the greedy and sampled test evals; `save` gets the row after each
+    step, so a run that dies while sampling keeps its SFT and greedy figures."""
     from agents.demos import demonstrations
     from agents.evaluate import EvalConfig, evaluate
     from agents.hf import HFPolicy
@@ -44,10 +48,15 @@ def measure_split(env_id: str, difficulty: str, args: argparse.Namespace) -> dic
 
     kwargs = {"difficulty": difficulty}
     out = args.out / f"{env_id.split('/')[1]}-{difficulty}"
-    start = time.perf_counter()
-    demos = demonstrations(env_id, kwargs, episodes=args.demos, seed=1)
-    stats = sft(args.model, demos, out / "sft", lr=args.lr, epochs=1.0, seed=0, progress=False)
-    sft_s = time.perf_counter() - start
+    row: dict[str, Any] = {"env": env_id, "difficulty": difficulty, "model_dir": str(out / "sft")}
+    if args.reuse_sft and (out / "sft" / "config.json").exists():
+        row["sft"] = {"reused": str(out / "sft")}
+    else:
+        start = time.perf_counter()
+        demos = demonstrations(env_id, kwargs, episodes=args.demos, seed=1)
+        stats = sft(args.model, demos, out / "sft", lr=args.lr, epochs=1.0, seed=0, progress=False)
+        row["sft"] = {"demos": args.demos, "steps": stats["steps"], "first_loss": round(stats["first_loss"], 4), "final_loss": round(stats["final_loss"], 4), "seconds": round(time.perf_counter() - start, 1)}
+    save(row)
     test = {**kwargs, "split": "test"}
 
     def run(temperature: float, samples: int) -> tuple[dict[str, Any], list[Any]]:
@@ -56,23 +65,22 @@ def measure_split(env_id: str, difficulty: str, args: argparse.Namespace) -> dic
         return evaluate(policy, config)
 
     greedy, _ = run(0.0, 1)
+    row.update({"greedy": greedy["success_rate"], "greedy_codes": greedy["critique_codes"], "greedy_seconds": greedy["wall_s"]})
+    save(row)
     sampled, results = run(args.temperature, args.samples)
     k = args.samples
-    return {
-        "env": env_id,
-        "difficulty": difficulty,
-        "sft": {"demos": args.demos, "steps": stats["steps"], "first_loss": round(stats["first_loss"], 4), "final_loss": round(stats["final_loss"], 4), "seconds": round(sft_s, 1)},
-        "greedy": greedy["success_rate"],
-        "greedy_codes": greedy["critique_codes"],
+    row.update({
         "temperature": args.temperature,
         "pass@1": sampled["pass@1"],
         f"pass@{k}": sampled[f"pass@{k}"],
         f"pass^{k}": sampled[f"pass^{k}"],
         "tasks": task_split([r.success for r in results], k),
         "sampled_codes": sampled["critique_codes"],
+        "sampled_mean_turns": sampled["mean_turns"],
         "eval_seconds": round(greedy["wall_s"] + sampled["wall_s"], 1),
-        "model_dir": str(out / "sft"),
-    }
+    })
+    save(row)
+    return row
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -85,7 +93,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--samples", type=int, default=8, help="K, for pass@K")
     parser.add_argument("--temperature", type=float, default=1.0, help="the training temperature")
     parser.add_argument("--max-new-tokens", type=int, default=96)
-    parser.add_argument("--batch-size", type=int, default=64, help="episodes sampled at once (sampled ApiReport hard episodes outgrew 24 GB at 128 and at 64 at once: give it 32 or fewer there)")
+    parser.add_argument("--batch-size", type=int, default=64, help="episodes run at once (the policy samples them in chunks of similar length within its memory budget, `agents.batching`)")
+    parser.add_argument("--reuse-sft", action="store_true", help="skip a split's SFT where --out already holds its checkpoint")
     parser.add_argument("--out", type=Path, default=Path("runs/headroom"))
     parser.add_argument("--json", type=Path, default=Path("runs/headroom.json"))
     args = parser.parse_args(argv)
@@ -95,9 +104,12 @@ def main(argv: list[str] | None = None) -> None:
     result: dict[str, Any] = {"command": "python -m benchmarks.headroom " + " ".join(sys.argv[1:] if argv is None else argv), "model": args.model, "splits": []}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     for env_id, difficulty in splits:
-        row = measure_split(env_id, difficulty, args)
+
+        def save(row: dict[str, Any]) -> None:
+            args.json.write_text(json.dumps({**result, "splits": [*result["splits"], row]}, indent=2))
+
+        row = measure_split(env_id, difficulty, args, save)
         result["splits"].append(row)
-        args.json.write_text(json.dumps(result, indent=2))
         print(json.dumps({k: row[k] for k in ("env", "difficulty", "greedy", f"pass@{args.samples}", "tasks")}), flush=True)
 
 
