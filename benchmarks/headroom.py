@@ -40,10 +40,13 @@ def measure_split(env_id: str, difficulty: str, args: argparse.Namespace, save: 
     """SFT on `args.demos` train demos of the split (or, with `--reuse-sft`, the checkpoint a
     previous run left), then the greedy and sampled test evals; `save` gets the row after each
     step, so a run that dies while sampling keeps its SFT and greedy figures."""
+    from rich.console import Console
+
     from agents.demos import demonstrations
     from agents.evaluate import EvalConfig, evaluate
     from agents.hf import HFPolicy
     from trainer.grpo import EVAL_SEED  # the trainer's test seeds
+    from trainer.progress import episode_progress
     from trainer.sft import sft
 
     kwargs = {"difficulty": difficulty}
@@ -62,7 +65,8 @@ def measure_split(env_id: str, difficulty: str, args: argparse.Namespace, save: 
     def run(temperature: float, samples: int) -> tuple[dict[str, Any], list[Any]]:
         policy = HFPolicy.from_pretrained(out / "sft", temperature=temperature, max_new_tokens=args.max_new_tokens, seed=0)
         config = EvalConfig(env_id, test, episodes=args.tasks, seed=EVAL_SEED, samples=samples, batch_size=args.batch_size)
-        return evaluate(policy, config)
+        with episode_progress(Console(stderr=True), len(config.seeds), f"{env_id} {difficulty} T {temperature}") as advance:
+            return evaluate(policy, config, on_done=advance)
 
     greedy, _ = run(0.0, 1)
     row.update({"greedy": greedy["success_rate"], "greedy_codes": greedy["critique_codes"], "greedy_seconds": greedy["wall_s"]})
