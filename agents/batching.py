@@ -1,9 +1,9 @@
 """Which conversations sample together: chunks of similar length whose keys/values fit a budget.
 
-A batch's KV cache is as wide as its longest row, for every row. On ApiReport hard, where one
-conversation's tool results add ~900 tokens a turn while others add ~100, 16 rows at temperature
-1.0 held 16 x 4,600 columns by turn 7 (most of them padding), a turn took 88 s, and 64 such rows
-outgrew this project's 24 GB machine. Sorting rows by length and cutting the batch where a row is
+A batch's KV cache is as wide as its longest row, for every row. On ApiReport hard, where a turn
+that lists orders adds ~850 tokens and others add ~100, 16 rows at temperature 1.0 held
+16 x 4,613 columns by turn 7 (the median row 2,859: over a third of it padding), a turn took
+88 s, and 64 such rows outgrew this project's 24 GB machine. Sorting rows by length and cutting the batch where a row is
 under half the chunk's longest, or where the chunk's padded cache would pass the byte budget,
 bounds both the padding (under half of any chunk) and the memory.
 """
