@@ -26,10 +26,11 @@ SPARE = 256  # columns added beyond what an update needs when the buffer grows
 class GrowingLayer(DynamicLayer):
     """A `DynamicLayer` whose keys/values are views of a (B, H, capacity, D) buffer."""
 
-    def __init__(self, offset: int = 0) -> None:
+    def __init__(self, offset: int = 0, capacity: int = 0) -> None:
         super().__init__()
         self.length = 0
         self.offset = offset  # leading columns held elsewhere (a shared prefix), counted in the length
+        self.capacity = capacity  # columns the first buffer holds at least (a prefill fed in pieces)
         self._k: Tensor | None = None
         self._v: Tensor | None = None
 
@@ -42,7 +43,7 @@ class GrowingLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         end = self.length + key_states.shape[-2]
         if self._k is None or end > self._k.shape[-2]:
-            self._grow(key_states, value_states, end + SPARE)
+            self._grow(key_states, value_states, max(end + SPARE, self.capacity))
         assert self._k is not None and self._v is not None and self._k.shape[0] == key_states.shape[0], "batch size changed"
         self._k[:, :, self.length : end] = key_states
         self._v[:, :, self.length : end] = value_states
@@ -111,11 +112,12 @@ def dynamic_cache(model: PreTrainedModel) -> DynamicCache:
         return DynamicCache()
 
 
-def growing_cache(model: PreTrainedModel, offset: int = 0) -> DynamicCache:
-    """A `DynamicCache` for `model` whose full-attention layers grow in place; `offset` columns
-    (a shared prefix served by `prefix_attention`) count in its length but are not stored."""
+def growing_cache(model: PreTrainedModel, offset: int = 0, capacity: int = 0) -> DynamicCache:
+    """A `DynamicCache` for `model` whose full-attention layers grow in place, each first buffer
+    at least `capacity` columns wide; `offset` columns (a shared prefix served by
+    `prefix_attention`) count in its length but are not stored."""
     cache = dynamic_cache(model)
-    cache.layers = [GrowingLayer(offset) if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    cache.layers = [GrowingLayer(offset, capacity) if type(layer) is DynamicLayer else layer for layer in cache.layers]
     return cache
 
 

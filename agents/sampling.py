@@ -93,6 +93,10 @@ def sequence_logprobs(
 
 
 MIN_SHARED_PREFIX = 16  # shorter shared prefixes are not worth a second forward call
+# A prefill runs its new ids in pieces of this many columns: the attention's masks grow as
+# rows x queries x keys, and one 26-row prefill of whole 5,000-token ApiReport hard
+# conversations (a turn the turn cache could not hold) would build masks of several GB per layer.
+PREFILL_PIECE = 512
 
 
 def shared_prefix_len(input_ids: Tensor, attention_mask: Tensor) -> int:
@@ -428,7 +432,7 @@ def _prefill(
     own = [r.end - start if r is not None else 0 for r in reuse or [None] * batch]
     suffix_ids, suffix_mask = _left_pad([p[start + n :] for p, n in zip(prompts, own)], pad_id, steps, device)  # (B, S), (B, S + steps)
     cached_keys, cached_values, cached_mask = _right_aligned(reuse, own, device)  # per layer (B, H, C, D); (B, C)
-    cache = growing_cache(model, offset=start if served else 0)
+    cache = growing_cache(model, offset=start if served else 0, capacity=suffix_mask.shape[1])
     copied = head is not None and not served  # every row gets a copy of the head
     blocks_k = [k.expand(batch, -1, -1, -1) for k in head[0]] if copied and head else []
     blocks_v = [v.expand(batch, -1, -1, -1) for v in head[1]] if copied and head else []
@@ -444,7 +448,11 @@ def _prefill(
         mask = torch.cat([torch.ones((batch, start), dtype=torch.long, device=device), mask], 1)
     width = mask.shape[1] - steps
     positions = position_ids_from_mask(mask[:, :width])
-    logits = _next_logits(model, suffix_ids, mask[:, :width], positions[:, start + cached_mask.shape[1] :], cache)
+    suffix_positions = positions[:, start + cached_mask.shape[1] :]
+    length = suffix_ids.shape[1]
+    for lo in range(0, length, PREFILL_PIECE):  # the last piece's logits are the ones returned
+        hi = min(lo + PREFILL_PIECE, length)
+        logits = _next_logits(model, suffix_ids[:, lo:hi], mask[:, : width - length + hi], suffix_positions[:, lo:hi], cache)
     return cache, mask, logits, positions[:, -1:] + 1
 
 

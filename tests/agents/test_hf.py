@@ -392,6 +392,31 @@ def test_shared_prefix_sampling_matches_unshared(model, tokenizer, temperature: 
     assert [s.ids for s in again] == [s.ids for s in first] == [s.ids for s in plain]
 
 
+@pytest.mark.parametrize("share_prefix", [True, False], ids=["served-prefix", "no-prefix"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_a_prefill_in_pieces_matches_one_piece(model, tokenizer, temperature: float, share_prefix: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    import agents.sampling as sampling
+
+    prompts = _prefixed_prompts(tokenizer)  # rows of different lengths: left padding in the pieces
+    params = sampling.SamplingParams(temperature=temperature, max_new_tokens=12)
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+    def run() -> list[sampling.Sample]:
+        return sampling.sample_batch(model, prompts, params=params, stop_ids={end}, pad_id=0, generator=torch.Generator().manual_seed(5), share_prefix=share_prefix)
+
+    whole = run()
+    widths: list[int] = []
+    forward = sampling._next_logits
+    monkeypatch.setattr(sampling, "_next_logits", lambda m, ids, *a, **kw: widths.append(ids.shape[1]) or forward(m, ids, *a, **kw))
+    monkeypatch.setattr(sampling, "PREFILL_PIECE", 5)
+    pieces = run()
+
+    assert widths.count(5) >= 2  # the prefill did run in pieces (after the shared prefix's own forward)
+    assert [s.ids for s in pieces] == [s.ids for s in whole]
+    for a, b in zip(pieces, whole, strict=True):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
+
+
 def test_prefix_cache_is_invalidated_by_a_weight_update(tiny_dir: Path) -> None:
     from agents.kv_cache import PrefixCache
 
