@@ -28,7 +28,7 @@ class TurnEntry:
     keys: list[Tensor]
     values: list[Tensor]
     version: tuple[int, int]
-    size: int = 0  # bytes of keys and values
+    size: int  # bytes of keys and values
 
 
 @dataclass(frozen=True)

@@ -107,11 +107,11 @@ def main(argv: list[str] | None = None) -> None:
     splits = args.split or [parse_split(s) for s in SPLITS]
     result: dict[str, Any] = {"command": "python -m benchmarks.headroom " + " ".join(sys.argv[1:] if argv is None else argv), "model": args.model, "splits": []}
     args.json.parent.mkdir(parents=True, exist_ok=True)
+
+    def save(row: dict[str, Any]) -> None:  # the finished splits and this one, so far
+        args.json.write_text(json.dumps({**result, "splits": [*result["splits"], row]}, indent=2))
+
     for env_id, difficulty in splits:
-
-        def save(row: dict[str, Any]) -> None:
-            args.json.write_text(json.dumps({**result, "splits": [*result["splits"], row]}, indent=2))
-
         row = measure_split(env_id, difficulty, args, save)
         result["splits"].append(row)
         print(json.dumps({k: row[k] for k in ("env", "difficulty", "greedy", f"pass@{args.samples}", "tasks")}), flush=True)
