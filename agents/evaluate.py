@@ -51,9 +51,12 @@ class EvalConfig:
 def evaluate(policy: Policy, config: EvalConfig, *, on_done: Callable[[EpisodeResult], None] | None = None) -> tuple[dict[str, Any], list[EpisodeResult]]:
     """Run the episodes and return the DESIGN.md eval summary plus the raw results."""
     start = time.perf_counter()
+    cuts = getattr(policy, "context_cuts", None)  # a local model's turns not sampled: context full
     results = run_episodes(lambda: make(config.env_id, **config.env_kwargs), policy, config.seeds, batch_size=config.batch_size, on_done=on_done, workers=config.workers)
     summary = summarize(results, samples=config.samples)
     summary.update(env=config.env_id, env_kwargs=config.env_kwargs, policy=getattr(policy, "name", type(policy).__name__), seed=config.seed, wall_s=round(time.perf_counter() - start, 3))
+    if cuts is not None:
+        summary["context_cuts"] = policy.context_cuts - cuts
     return summary, results
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from transformers import (
@@ -32,6 +32,8 @@ from agents.spec import SamplingOptions
 from agents.turn_cache import TurnCache
 from envs.errors import CgymError
 
+NOT_SAMPLED = Sample(ids=[], logprobs=[], stopped=False)  # the turn of a conversation past max_context
+
 MODEL_FORMS = f"give a local model directory, a .gguf file, a short name ({', '.join(SHORT_NAMES)}) or a hub name such as Qwen/Qwen2.5-0.5B-Instruct"
 
 
@@ -45,6 +47,12 @@ class HFPolicy:
     `temperature` 0 is greedy (log-probs then at temperature 1). Log-probs are those of
     `log_softmax(logits / temperature)`; top-p is not reflected in them. With a `seed`, the
     same sequence of `act` calls gives the same turns.
+
+    `max_context` (default: the model config's `max_position_embeddings`) ends conversations the
+    model was not trained to read: one whose ledger already holds that many tokens is not
+    sampled, and gets an empty turn, cut like one that hit `max_new_tokens` (its end-of-turn
+    token unsampled, `Turn.truncated`), which the env then scores as it scores any empty reply.
+    `context_cuts` counts such turns. None: no limit.
     """
 
     def __init__(
@@ -59,7 +67,14 @@ class HFPolicy:
         seed: int | None = None,
         name: str | None = None,
         draft_tokens: int = LOOKUP_TOKENS,
+        max_context: int | None | Literal["model"] = "model",
     ) -> None:
+        if max_context == "model":
+            max_context = getattr(model.config, "max_position_embeddings", None)
+        if max_context is not None and (isinstance(max_context, bool) or not isinstance(max_context, int) or max_context < 1):
+            raise ValueError(f"max_context must be a positive int, None (no limit) or 'model', got {max_context!r}")
+        self.max_context = max_context
+        self.context_cuts = 0  # turns not sampled because the conversation filled max_context
         self.draft_tokens = draft_tokens  # greedy turns' prompt-lookup drafts per step (0: off)
         self.params = SamplingParams(
             temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens
@@ -131,12 +146,15 @@ class HFPolicy:
         if self.sampling_weights.model is not self.model:  # the model was swapped (e.g. wrapped in LoRA)
             self.sampling_weights = SamplingWeights(self.model)
         model = self.sampling_weights.get()
+        rows = [row for row, conv in enumerate(batch) if self.max_context is None or len(conv.token_ids) < self.max_context]
         if self.turn_cache is not None:
-            self.turn_cache.keep_only({id(conv) for conv in batch})
+            self.turn_cache.keep_only({id(batch[row]) for row in rows})
         samples: dict[int, Sample] = {}
-        for chunk in self._chunks(model, batch):
-            samples.update(zip(chunk, self._sample(model, [batch[i] for i in chunk]), strict=True))
-        return [self._record(conv, samples[row]) for row, conv in enumerate(batch)]
+        for chunk in self._chunks(model, [batch[row] for row in rows]):
+            chunk_rows = [rows[i] for i in chunk]
+            samples.update(zip(chunk_rows, self._sample(model, [batch[row] for row in chunk_rows]), strict=True))
+        self.context_cuts += len(batch) - len(rows)
+        return [self._record(conv, samples.get(row, NOT_SAMPLED)) for row, conv in enumerate(batch)]
 
     def _chunks(self, model: PreTrainedModel, batch: Sequence[Conversation]) -> list[list[int]]:
         """Rows that sample together (`agents.batching`): similar lengths, within the budget."""

@@ -69,7 +69,7 @@ def measure_split(env_id: str, difficulty: str, args: argparse.Namespace, save: 
             return evaluate(policy, config, on_done=advance)
 
     greedy, _ = run(0.0, 1)
-    row.update({"greedy": greedy["success_rate"], "greedy_codes": greedy["critique_codes"], "greedy_seconds": greedy["wall_s"]})
+    row.update({"greedy": greedy["success_rate"], "greedy_codes": greedy["critique_codes"], "greedy_seconds": greedy["wall_s"], "greedy_context_cuts": greedy["context_cuts"]})
     save(row)
     sampled, results = run(args.temperature, args.samples)
     k = args.samples
@@ -81,6 +81,7 @@ def measure_split(env_id: str, difficulty: str, args: argparse.Namespace, save: 
         "tasks": task_split([r.success for r in results], k),
         "sampled_codes": sampled["critique_codes"],
         "sampled_mean_turns": sampled["mean_turns"],
+        "sampled_context_cuts": sampled["context_cuts"],
         "eval_seconds": round(greedy["wall_s"] + sampled["wall_s"], 1),
     })
     save(row)

@@ -119,6 +119,8 @@ def _print_summary(summary: dict[str, Any]) -> None:
         table.add_row(key, f"{summary[key]:.3f}" if isinstance(summary[key], float) else str(summary[key]))
     for key in [k for k in summary if k.startswith(("pass@", "pass^"))]:
         table.add_row(key, f"{summary[key]:.3f}")
+    if summary.get("context_cuts"):
+        table.add_row("context_cuts", f"{summary['context_cuts']} turns not sampled: the conversation filled the model's context")
     for name, rate in summary["check_pass_rates"].items():
         table.add_row(f"check {name}", f"{rate:.3f} passed, {summary['reward_breakdown'][name]:+.3f} mean")
     for code, count in list(summary["critique_codes"].items())[:8]:

@@ -519,3 +519,52 @@ def test_prompt_lookup_drafts_keep_the_greedy_ids(model, tokenizer, share_prefix
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
     assert LOOKUP_TOKENS + 1 in drafted_widths  # drafts were checked...
     assert len(drafted_widths) < len(plain_widths)  # ... and kept: fewer forwards
+
+
+def test_a_conversation_past_max_context_gets_an_empty_cut_turn(model, tokenizer) -> None:
+    short, long = new_conversation(), new_conversation("Report the orders. " * 40)
+    encoder = ChatEncoder(tokenizer)
+    for conv in (copy.deepcopy(short), copy.deepcopy(long)):
+        encoder.sync(conv)
+    limit = len(encoder.encode_text(encoder.render(long.messages, TOOLS, generation_prompt=True)))
+    policy = HFPolicy(model, tokenizer, max_new_tokens=6, seed=0, max_context=None)
+    play(policy, [short, long], turns=1)  # both sampled once; both have turn-cache entries
+    assert id(long) in policy.turn_cache.entries
+    alone = copy.deepcopy(short)
+    short.messages.append({"role": "user", "content": "Go on."})
+    long.messages.append({"role": "user", "content": "Go on."})
+    alone.messages.append({"role": "user", "content": "Go on."})
+    reference = HFPolicy(model, tokenizer, max_new_tokens=6, max_context=None)
+
+    policy.max_context = limit  # the long conversation now fills the context, the short one does not
+    policy.reseed(1)
+    reference.reseed(1)
+    short_turn, long_turn = policy.act([short, long])
+
+    assert long_turn == Turn(text="", truncated=True)
+    assert long.token_ids[-1] == policy.encoder.end_of_turn_id and long.loss_mask[-1] == 0 and long.logprobs[-1] == 0.0
+    assert policy.context_cuts == 1
+    assert id(long) not in policy.turn_cache.entries  # its keys and values are not kept for a turn that never comes
+    alone_turn = reference.act([alone])[0]  # the other rows sample as they would alone (from a recomputed cache)
+    assert (short_turn.text, short_turn.token_ids) == (alone_turn.text, alone_turn.token_ids)
+    torch.testing.assert_close(torch.tensor(short_turn.logprobs), torch.tensor(alone_turn.logprobs), atol=1e-5, rtol=0)
+    assert_ledger_reproduced(model, short)
+
+
+def test_max_context_defaults_to_the_model_positions(model, tokenizer) -> None:
+    assert HFPolicy(model, tokenizer).max_context == model.config.max_position_embeddings == SIZES["max_positions"]
+    for bad in (0, -5, 2.5, True, "all"):
+        with pytest.raises(ValueError, match="max_context"):
+            HFPolicy(model, tokenizer, max_context=bad)
+
+
+def test_an_episode_past_max_context_ends_on_the_empty_reply(model, tokenizer) -> None:
+    from agents.evaluate import EvalConfig, evaluate
+
+    policy = HFPolicy(model, tokenizer, max_new_tokens=4, seed=0, max_context=1)
+    summary, results = evaluate(policy, EvalConfig("cgym/ApiReport-v0", episodes=2, batch_size=2))
+    assert [len(r.turns) for r in results] == [1, 1]
+    assert all(not r.success and r.turns[0] == Turn(text="", truncated=True) for r in results)
+    assert summary["context_cuts"] == policy.context_cuts == 2
+    summary, _ = evaluate(policy, EvalConfig("cgym/ApiReport-v0", episodes=1))
+    assert summary["context_cuts"] == 1  # this eval's cuts, not the policy's lifetime count

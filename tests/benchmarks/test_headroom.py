@@ -40,7 +40,7 @@ def test_a_reused_checkpoint_skips_the_sft_and_each_step_is_saved(tmp_path: Path
         patch.setattr(Path, "write_text", spy)
         main(["--split", "api:easy", "--reuse-sft", "--tasks", "1", "--samples", "2", "--max-new-tokens", "8", "--out", str(tmp_path / "out"), "--json", str(out)])
 
-    assert [sorted(row) for row in saved[:2]] == [["difficulty", "env", "model_dir", "sft"], ["difficulty", "env", "greedy", "greedy_codes", "greedy_seconds", "model_dir", "sft"]]
+    assert [sorted(row) for row in saved[:2]] == [["difficulty", "env", "model_dir", "sft"], ["difficulty", "env", "greedy", "greedy_codes", "greedy_context_cuts", "greedy_seconds", "model_dir", "sft"]]
     final = json.loads(out.read_text())["splits"][0]
     assert final["sft"] == {"reused": str(tmp_path / "out" / "ApiReport-v0-easy" / "sft")}
     assert {"greedy", "pass@2", "pass^2", "tasks"} <= set(final) and sum(final["tasks"].values()) == 1
