@@ -139,8 +139,9 @@ class HFPolicy:
         return ids
 
     def act(self, batch: Sequence[Conversation]) -> list[Turn]:
-        """Sync the ledgers, sample one turn per conversation (rows of similar length decode
-        together, `agents.batching`), record it."""
+        """Sync the ledgers, sample one turn per conversation that still fits `max_context` (rows
+        of similar length decode together, `agents.batching`; the others get an empty cut turn),
+        record it."""
         for conv in batch:
             self.encoder.sync(conv)
         if self.sampling_weights.model is not self.model:  # the model was swapped (e.g. wrapped in LoRA)

@@ -65,3 +65,17 @@ def test_eval_runs_a_py_policy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, 
 def test_python_dash_m_cgym_runs_the_cli() -> None:
     done = subprocess.run([sys.executable, "-m", "cgym", "envs"], capture_output=True, text=True, cwd=Path(__file__).parents[2])
     assert done.returncode == 0 and "cgym/ApiReport-v0" in done.stdout
+
+
+@pytest.mark.parametrize("cuts", [0, 3])
+def test_the_eval_table_says_when_the_context_cut_turns(cuts: int, capsys: pytest.CaptureFixture[str]) -> None:
+    from cgym.commands import _print_summary
+
+    summary = {
+        "policy": "hf:x", "env": "cgym/ApiReport-v0", "env_kwargs": {}, "sampling": {"temperature": 0.0},
+        "episodes": 2, "success_rate": 0.0, "mean_reward": -1.0, "truncated_rate": 0.0, "mean_turns": 1.0, "wall_s": 0.1,
+        "check_pass_rates": {}, "reward_breakdown": {}, "critique_codes": {}, "context_cuts": cuts,
+    }  # fmt: skip
+    _print_summary(summary)
+    printed = " ".join(capsys.readouterr().out.split())
+    assert ("3 turns not sampled" in printed) == bool(cuts)
