@@ -44,7 +44,7 @@ def policy_for(tiny_dir: Path, temperature: float, *, cached: bool, attention: s
     model = AutoModelForCausalLM.from_pretrained(tiny_dir, attn_implementation=attention)
     policy = HFPolicy(model, AutoTokenizer.from_pretrained(tiny_dir), temperature=temperature, max_new_tokens=10, seed=3)
     if not cached:
-        policy.turn_cache = None  # type: ignore[assignment]
+        policy.turn_cache = None
     return policy
 
 
