@@ -75,7 +75,7 @@ class HFPolicy:
             raise ValueError(f"max_context must be a positive int, None (no limit) or 'model', got {max_context!r}")
         self.max_context = max_context
         self.context_cuts = 0  # turns not sampled because the conversation filled max_context
-        self.draft_tokens = draft_tokens  # greedy turns' prompt-lookup drafts per step (0: off)
+        self.draft_tokens = draft_tokens  # prompt-lookup drafts per step once few rows are left (0: off)
         self.params = SamplingParams(
             temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens
         )

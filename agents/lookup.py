@@ -1,9 +1,10 @@
-"""Prompt-lookup drafts for greedy decoding: guess a row's next ids from its own context.
+"""Prompt-lookup drafts: guess a row's next ids from its own context.
 
 A decode step of few rows is bound by reading the weights, so checking a few drafted ids in the
 same forward costs little more than one id (on 2 cores a decode step of under 10 rows took
-~52 ms, most of it reading SmolLM2's 270 MB of bf16 weights). The sampler keeps the drafts that
-match its argmax, so drafting changes how many forwards a turn takes, not its ids.
+~52 ms, most of it reading SmolLM2's 270 MB of bf16 weights). The sampler checks the drafts
+(`agents.sampling.accept_drafts`): greedy turns keep the ids they would emit anyway, sampled turns
+keep ids drawn from the same distribution, so drafting changes how many forwards a turn takes.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ LOOKUP_NGRAMS = (3, 2)  # match the row's last 3 ids, else its last 2
 
 
 class PromptLookup:
-    """Drafts for greedy rows: the ids that followed the latest earlier occurrence of a row's
+    """Drafts for each row: the ids that followed the latest earlier occurrence of a row's
     last few ids, in its prompt or its own output (tool results and reports repeat each other).
 
     A row's context and n-gram index are built on its first draft, when few rows are left, and

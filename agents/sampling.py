@@ -256,9 +256,10 @@ def sample_batch(
     `turn_cache` keeps each row's keys and values under its `turn_keys` entry (a conversation's
     key), so the row's next call prefills only the ids appended since; rows are then laid out
     `[shared | padding | cached ids | padding | new ids | sampled]`.
-    Greedy calls draft up to `draft_tokens` ids per step by prompt lookup once few rows are left
-    (`PromptLookup`); drafts are verified, so the ids are those of one-at-a-time decoding up to float
-    rounding (0 turns drafting off).
+    Once few rows are left, each step drafts up to `draft_tokens` ids per row by prompt lookup
+    (`PromptLookup`) and checks them in one forward (`accept_drafts`): greedy ids are those of
+    one-at-a-time decoding up to float rounding, sampled ids follow the same distribution (0
+    turns drafting off).
     """
     if not prompts:
         return []
@@ -273,7 +274,7 @@ def sample_batch(
             raise ValueError(f"{len(turn_keys)} turn keys for {len(prompts)} prompts")
         rows = _TurnRows(turn_cache, turn_keys, prompts, shared if head is not None else 0, served)
     with shared_prefix(*head) if served and head else nullcontext():
-        lookup = PromptLookup(prompts, draft_tokens) if params.temperature == 0 and draft_tokens > 0 else None
+        lookup = PromptLookup(prompts, draft_tokens) if draft_tokens > 0 else None
         return _decode(model, prompts, head, served, params, stop_ids, pad_id, generator, rows, lookup)
 
 
@@ -349,7 +350,7 @@ def _decode(
             tok, lp = _pick(_next_logits(model, fed, mask[:, : width + n], positions, cache), params, generator)
             new_ids, new_lp, emit = tok[:, None], lp[:, None], torch.ones_like(tok)
         else:
-            new_ids, new_lp, emit = _check_drafts(model, fed, mask[:, : width + n], positions, cache)
+            new_ids, new_lp, emit = _check_drafts(model, fed, mask[:, : width + n], positions, cache, params, generator)
             mask[:, width : width + n] = torch.arange(n, device=device) < emit[:, None]  # rejected drafts: masked out
         next_pos = next_pos + emit[:, None]
         width += n
@@ -394,14 +395,44 @@ class _Outputs:
         return kept, stopped | (self.count[active] >= steps)
 
 
-def _check_drafts(model: PreTrainedModel, fed: Tensor, mask: Tensor, positions: Tensor, cache: Any) -> tuple[Tensor, Tensor, Tensor]:
-    """One greedy forward over (b, n) ids: each row's last id then n - 1 drafts. Returns the
-    argmax after each position (b, n), its log-prob, and how many to emit per row: the drafts
-    that match the argmax before them, then the argmax after the last of those."""
-    logp = torch.log_softmax(_next_logits(model, fed, mask, positions, cache, every=True).float(), -1)
-    greedy = logp.argmax(-1)  # (b, n)
-    accepted = (fed[:, 1:] == greedy[:, :-1]).long().cumprod(1).sum(1)  # (b,)
-    return greedy, logp.gather(-1, greedy[..., None]).squeeze(-1), accepted + 1
+def _check_drafts(
+    model: PreTrainedModel, fed: Tensor, mask: Tensor, positions: Tensor, cache: Any, params: SamplingParams, generator: torch.Generator | None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """One forward over (b, n) ids, each row's last id then n - 1 drafts; `accept_drafts` picks
+    what each row emits."""
+    logits = _next_logits(model, fed, mask, positions, cache, every=True)
+    return accept_drafts(logits, fed[:, 1:], params, generator)
+
+
+def accept_drafts(logits: Tensor, drafts: Tensor, params: SamplingParams, generator: torch.Generator | None) -> tuple[Tensor, Tensor, Tensor]:
+    """Which of (b, n - 1) drafted ids to keep, given the (b, n, V) logits after a row's last
+    id and after each draft. Returns (b, n) ids, their log-probs and how many to emit per row:
+    the kept drafts, then one id picked after them (the rest of a row's ids are filler).
+
+    Greedy keeps the drafts that match the argmax before them, then the argmax after the last
+    one kept: the ids of one-at-a-time decoding. Sampled rows run speculative sampling with a
+    draft that puts all its mass on one id (Leviathan et al. 2023; Chen et al. 2023): draft d
+    after position j is kept with probability p_j(d); the first one rejected is replaced by a
+    draw from p_j without d, renormalised, and when all are kept one more id is drawn from the
+    last position. Every emitted id then follows the distribution one-at-a-time sampling draws
+    from (`p` with temperature and top-p applied), though from different random numbers.
+    """
+    rows, n = torch.arange(drafts.shape[0], device=drafts.device), drafts.shape[1] + 1
+    if params.temperature == 0:
+        logp = torch.log_softmax(logits.float(), -1)
+        picked = logp.argmax(-1)  # (b, n)
+        kept = (drafts == picked[:, :-1]).long().cumprod(1).sum(1)  # (b,)
+        return picked, logp.gather(-1, picked[..., None]).squeeze(-1), kept + 1
+    logp = torch.log_softmax(logits.float() / params.temperature, -1)
+    allowed = logp if params.top_p == 1.0 else _top_p_mask(logp, params.top_p)
+    p_draft = (allowed[:, :-1].gather(-1, drafts[..., None]).squeeze(-1) - allowed[:, :-1].logsumexp(-1)).exp()  # (b, n - 1)
+    kept = (torch.rand(p_draft.shape, generator=generator, device=p_draft.device) < p_draft).long().cumprod(1).sum(1)
+    last = allowed[rows, kept]  # (b, V): where each row draws its next id
+    rejected = (kept < n - 1).nonzero().squeeze(1)
+    last[rejected, drafts[rejected, kept[rejected]]] = float("-inf")  # `allowed[rows, kept]` is a copy
+    ids = torch.cat([drafts, drafts[:, :1]], 1)
+    ids[rows, kept] = _gumbel_argmax(last, generator)
+    return ids, logp.gather(-1, ids[..., None]).squeeze(-1), kept + 1
 
 
 def common_prefix_len(prompts: Sequence[Sequence[int]]) -> int:

@@ -521,6 +521,30 @@ def test_prompt_lookup_drafts_keep_the_greedy_ids(model, tokenizer, share_prefix
     assert len(drafted_widths) < len(plain_widths)  # ... and kept: fewer forwards
 
 
+def test_sampled_rows_check_drafts_and_keep_the_models_logprobs(model, tokenizer) -> None:
+    """Sampled rows draft too (`accept_drafts` keeps their distribution): a seed still gives the
+    same ids, and each id's log-prob is the model's for it after the ids before it."""
+    from agents.sampling import LOOKUP_TOKENS, SamplingParams, sample_batch
+
+    prompts = _prefixed_prompts(tokenizer, n=3)
+    params = SamplingParams(temperature=0.15, max_new_tokens=40)  # cool enough that the tiny model repeats itself, not always
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+    def run():
+        with counted_forwards(model) as widths:
+            samples = sample_batch(model, prompts, params=params, stop_ids={end}, pad_id=0, generator=torch.Generator().manual_seed(3))
+        return samples, widths
+
+    (first, widths), (again, _) = run(), run()
+    assert LOOKUP_TOKENS + 1 in widths and len(widths) < params.max_new_tokens  # drafts were checked and some kept
+    assert [s.ids for s in first] == [s.ids for s in again]
+    for prompt, sample in zip(prompts, first, strict=True):
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([prompt + sample.ids])).logits[0, len(prompt) - 1 : -1]
+        expected = torch.log_softmax(logits.float() / params.temperature, -1).gather(-1, torch.tensor(sample.ids)[:, None]).squeeze(1)
+        torch.testing.assert_close(torch.tensor(sample.logprobs), expected, atol=1e-4, rtol=0)
+
+
 def test_a_conversation_past_max_context_gets_an_empty_cut_turn(model, tokenizer) -> None:
     short, long = new_conversation(), new_conversation("Report the orders. " * 40)
     encoder = ChatEncoder(tokenizer)
