@@ -10,6 +10,13 @@ means a backward of twice the forward's cost follows). FLOPs are the usual dense
 hidden x vocab per LM-head column; padding counts, since it is computed. The floor of a figure is
 its FLOPs divided by the measured bf16 matmul peak (the dtype both phases run in on this CPU);
 `distance` = measured / floor.
+
+Attention on this CPU costs its softmax's `exp`s on top of its matmuls: a 100-row prefill of
+a tool result scores 63M (query, key) pairs a layer against the shared prefix, and `exp` runs at
+~2G a second on the 2 cores (~1.3G over a whole 250 MB score matrix), 30-50 ms a layer that no
+matmul speed-up removes. So each figure also counts its exps (one per query, head and key seen;
+twice in training, whose backward recomputes them) and a floor that adds their time at the
+`exp` rate measured in the same run (`floor_with_exp_s`).
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ class FlopCount:
     inference: float = 0.0
     training: float = 0.0  # forward + backward (3x the forward)
     tokens: dict[str, int] = field(default_factory=lambda: {"inference": 0, "training": 0})
+    exps: float = 0.0  # softmax exps of attention: forward, and again in a training backward
 
     @property
     def total(self) -> float:
@@ -55,6 +63,12 @@ def forward_flops(model: Any, rows: int, new: int, keys: int, head_columns: int)
     body = sum(p.numel() for p in model.parameters()) - embedding * (1 if cfg.tie_word_embeddings else 2)
     causal_keys = keys - (new - 1) / 2  # a prefill's queries see on average half their own block
     return rows * (2 * body * new + 4 * cfg.num_hidden_layers * cfg.hidden_size * new * causal_keys + 2 * cfg.hidden_size * cfg.vocab_size * head_columns)
+
+
+def forward_exps(model: Any, rows: int, new: int, keys: int) -> float:
+    """Softmax exps of one forward's attention: one per query position, head, layer and key seen."""
+    cfg = model.config
+    return rows * new * cfg.num_attention_heads * cfg.num_hidden_layers * (keys - (new - 1) / 2)
 
 
 @contextmanager
@@ -82,6 +96,7 @@ def counting_flops(model_class: type) -> Iterator[FlopCount]:
             flops = forward_flops(self, rows, new, keys, columns)
             phase = "training" if torch.is_grad_enabled() and not torch.is_inference_mode_enabled() else "inference"
             setattr(count, phase, getattr(count, phase) + (3 * flops if phase == "training" else flops))
+            count.exps += forward_exps(self, rows, new, keys) * (2 if phase == "training" else 1)
             count.tokens[phase] += rows * new
         return original(self, *args, **kwargs)
 
@@ -101,14 +116,26 @@ def matmul_peak_gflops(dtype: torch.dtype, *, m: int = 2048, k: int = 576, n: in
     return 2 * m * k * n / best / 1e9
 
 
+def exp_rate_per_s(*, size: int = 8 * 2**20, repeats: int = 10) -> float:
+    """Best-of fp32 `exp`s a second, the softmax's dtype in the attention kernels."""
+    x, out = torch.rand(size) * -10, torch.empty(size)
+    for _ in range(2):
+        torch.exp(x, out=out)
+    return size / min(_timed(lambda: torch.exp(x, out=out)) for _ in range(repeats))
+
+
 def _timed(work: Any) -> float:
     start = time.perf_counter()
     work()
     return time.perf_counter() - start
 
 
-def figure(seconds: float, count: FlopCount, peak_gflops: float) -> dict[str, Any]:
+def figure(seconds: float, count: FlopCount, peak_gflops: float, exps_per_s: float | None = None) -> dict[str, Any]:
     floor = count.total / (peak_gflops * 1e9)
+    with_exp = {}
+    if exps_per_s:
+        exp_floor = count.exps / exps_per_s
+        with_exp = {"gexps": round(count.exps / 1e9, 2), "exp_floor_s": round(exp_floor, 2), "floor_with_exp_s": round(floor + exp_floor, 2), "distance_with_exp": round(seconds / (floor + exp_floor), 2)}
     return {
         "seconds": round(seconds, 2),
         "tflops": round(count.total / 1e12, 3),
@@ -118,16 +145,19 @@ def figure(seconds: float, count: FlopCount, peak_gflops: float) -> dict[str, An
         "floor_s": round(floor, 2),
         "distance": round(seconds / floor, 2) if floor else None,
         "effective_gflops": round(count.total / seconds / 1e9, 1),
+        **with_exp,
     }
 
 
-def grpo_steps(model: str, steps: int, out: Path) -> tuple[list[float], list[FlopCount], list[dict[str, Any]]]:
-    """`steps` GRPO steps of 4 tasks x 8 on ApiReport easy after one warm-up step."""
+def grpo_steps(model: str, steps: int, out: Path, draft_tokens: int = LOOKUP_TOKENS) -> tuple[list[float], list[FlopCount], list[dict[str, Any]]]:
+    """`steps` GRPO steps of 4 tasks x 8 on ApiReport easy after one warm-up step, the rollouts
+    drafting `draft_tokens` ids per step once few rows are left."""
     from trainer.config import TrainConfig
     from trainer.grpo import setup, train_step
 
     config = TrainConfig(env_id=ENV_ID, env_kwargs=ENV_KWARGS, model=model, out=str(out), group_size=8, tasks_per_step=4, eval_episodes=0, progress=False)
     state = setup(config)
+    state.policy.draft_tokens = draft_tokens
     times, counts, rows = [], [], []
     for step in range(1, steps + 2):
         with counting_flops(type(state.model)) as count:
@@ -162,14 +192,16 @@ def run(model: str, *, steps: int, episodes: int, draft_tokens: int = LOOKUP_TOK
     prepare_models(model)
     load = round(os.getloadavg()[0], 2)
     before = {d: matmul_peak_gflops(d) for d in (torch.bfloat16, torch.float32)}
+    exps_before = exp_rate_per_s()
     eval_s, eval_count, success = greedy_eval(model, episodes, draft_tokens)
     times, counts, rows = [], [], []
     if steps:
         with tempfile.TemporaryDirectory(prefix="cgym-floors-") as tmp:
-            times, counts, rows = grpo_steps(model, steps, Path(tmp))
+            times, counts, rows = grpo_steps(model, steps, Path(tmp), draft_tokens)
     # the best of a measurement before and after the work: one taken first in a process once read 194 GFLOP/s against ~405
     peaks = {str(d).removeprefix("torch."): round(max(best, matmul_peak_gflops(d)), 1) for d, best in before.items()}
     peak = peaks[str(compute_dtype()).removeprefix("torch.")]
+    exps_per_s = max(exps_before, exp_rate_per_s())
     median = sorted(range(len(times)), key=times.__getitem__)[len(times) // 2] if times else None
     result: dict[str, Any] = {
         "model": model,
@@ -178,7 +210,9 @@ def run(model: str, *, steps: int, episodes: int, draft_tokens: int = LOOKUP_TOK
         "threads": torch.get_num_threads(),
         "compute_dtype": str(compute_dtype()).removeprefix("torch."),
         "matmul_peak_gflops": peaks,
-        "eval": {"episodes": episodes, "draft_tokens": draft_tokens, "success_rate": success, **figure(eval_s, eval_count, peak)},
+        "exp_rate_g_per_s": round(exps_per_s / 1e9, 2),
+        "draft_tokens": draft_tokens,
+        "eval": {"episodes": episodes, "success_rate": success, **figure(eval_s, eval_count, peak, exps_per_s)},
         "load_avg_1min": {"start": load},
     }
     if median is not None:
@@ -187,7 +221,7 @@ def run(model: str, *, steps: int, episodes: int, draft_tokens: int = LOOKUP_TOK
             "steps_timed": len(times),
             "steps_s": [round(t, 2) for t in times],
             "rows": rows,
-            **figure(times[median], counts[median], peak),
+            **figure(times[median], counts[median], peak, exps_per_s),
         }
     result["load_avg_1min"]["end"] = round(os.getloadavg()[0], 2)
     result["peak_rss_gb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)
@@ -200,7 +234,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", required=True, help="an SFT'd model directory (or a short name)")
     parser.add_argument("--steps", type=int, default=2, help="timed GRPO steps, after one warm-up step (0: the eval alone)")
     parser.add_argument("--episodes", type=int, default=100, help="greedy eval episodes")
-    parser.add_argument("--draft-tokens", type=int, default=LOOKUP_TOKENS, help="the greedy eval's prompt-lookup drafts per step (0: off)")
+    parser.add_argument("--draft-tokens", type=int, default=LOOKUP_TOKENS, help="prompt-lookup drafts per step, in the greedy eval and the GRPO rollouts (0: off)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     import envs  # noqa: F401 - registers the built-in envs

@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from agents.tiny import build_tiny
-from benchmarks.cpu_floors import counting_flops, figure, forward_flops
+from benchmarks.cpu_floors import counting_flops, exp_rate_per_s, figure, forward_exps, forward_flops
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +39,17 @@ def test_counting_splits_inference_from_training_and_restores_forward(model: tor
     row = figure(2.0, count, peak_gflops=100.0)
     assert row["floor_s"] == pytest.approx(count.total / 1e11, abs=0.01)
     assert row["distance"] == pytest.approx(2.0 / (count.total / 1e11), rel=0.05)
+    # exps: a forward's, and the backward recomputes them
+    assert count.exps == pytest.approx(3 * forward_exps(model, 3, 8, 8))
+    with_exp = figure(2.0, count, peak_gflops=100.0, exps_per_s=1e3)
+    assert with_exp["floor_with_exp_s"] == pytest.approx(with_exp["floor_s"] + count.exps / 1e3, abs=0.01)
+
+
+def test_forward_exps_counts_each_query_head_layer_and_key_seen(model: torch.nn.Module) -> None:
+    cfg = model.config
+    assert forward_exps(model, 2, 1, 10) == 2 * cfg.num_attention_heads * cfg.num_hidden_layers * 10
+    assert forward_exps(model, 1, 4, 4) == cfg.num_attention_heads * cfg.num_hidden_layers * (1 + 2 + 3 + 4)  # causal
+    assert exp_rate_per_s(size=2**16, repeats=2) > 1e6
 
 
 def test_counting_keeps_the_signature_the_fast_paths_read(model: torch.nn.Module) -> None:
