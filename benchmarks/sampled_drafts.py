@@ -1,0 +1,61 @@
+"""A sampled eval with and without prompt-lookup drafts, alternated in one process.
+
+    python -m benchmarks.sampled_drafts --model runs/sft_easy --episodes 64 --rounds 2 \\
+        --json benchmarks/results/sampled_drafts_smollm2.json
+
+Sampled turns check their drafts by speculative sampling (`agents.sampling.accept_drafts`), so
+both arms draw from the same distribution but from different random numbers: their episodes
+differ. Compare the seconds per sampled id (and the success rates, which should agree within
+sampling noise), not the wall times alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from agents.lookup import LOOKUP_TOKENS
+from benchmarks.output import emit
+
+
+def sampled_eval(model: Any, tokenizer: Any, env_id: str, env_kwargs: dict[str, Any], episodes: int, draft_tokens: int, seed: int) -> dict[str, Any]:
+    from agents.evaluate import EvalConfig, evaluate
+    from agents.hf import HFPolicy
+
+    policy = HFPolicy(model, tokenizer, temperature=1.0, seed=seed, draft_tokens=draft_tokens)
+    start = time.perf_counter()
+    summary, results = evaluate(policy, EvalConfig(env_id, {**env_kwargs, "split": "test"}, episodes=episodes, seed=seed))
+    seconds = time.perf_counter() - start
+    sampled = sum(sum(r.conversation.loss_mask) for r in results)
+    return {"draft_tokens": draft_tokens, "seconds": round(seconds, 2), "sampled_ids": sampled, "ms_per_sampled_id": round(1000 * seconds / max(sampled, 1), 2), "success_rate": summary["success_rate"]}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, help="an SFT'd model directory (or a short name)")
+    parser.add_argument("--env", default="cgym/ApiReport-v0")
+    parser.add_argument("--env-kwargs", type=json.loads, default={"difficulty": "easy"})
+    parser.add_argument("--episodes", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=2, help="alternations of the two arms")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    import envs  # noqa: F401 - registers the built-in envs
+    from agents.hf import HFPolicy
+
+    loaded = HFPolicy.from_pretrained(args.model)
+    runs = [
+        sampled_eval(loaded.model, loaded.tokenizer, args.env, args.env_kwargs, args.episodes, draft_tokens, seed=round_)
+        for round_ in range(args.rounds)
+        for draft_tokens in (LOOKUP_TOKENS, 0)
+    ]
+    arms = {d: [r for r in runs if r["draft_tokens"] == d] for d in (LOOKUP_TOKENS, 0)}
+    per_id = {d: sum(r["seconds"] for r in rs) * 1000 / sum(r["sampled_ids"] for r in rs) for d, rs in arms.items()}
+    emit({"model": args.model, "env": args.env, "env_kwargs": args.env_kwargs, "episodes": args.episodes, "temperature": 1.0, "runs": runs,
+          "ms_per_sampled_id": {str(d): round(v, 2) for d, v in per_id.items()}, "speedup_per_sampled_id": round(per_id[0] / per_id[LOOKUP_TOKENS], 3)}, args.json)
+
+
+if __name__ == "__main__":
+    main()
