@@ -417,14 +417,12 @@ def accept_drafts(logits: Tensor, drafts: Tensor, params: SamplingParams, genera
     last position. Every emitted id then follows the distribution one-at-a-time sampling draws
     from (`p` with temperature and top-p applied), though from different random numbers.
     """
-    rows, n = torch.arange(drafts.shape[0], device=drafts.device), drafts.shape[1] + 1
+    logp, allowed = _distribution(logits, params)
     if params.temperature == 0:
-        logp = torch.log_softmax(logits.float(), -1)
         picked = logp.argmax(-1)  # (b, n)
         kept = (drafts == picked[:, :-1]).long().cumprod(1).sum(1)  # (b,)
         return picked, logp.gather(-1, picked[..., None]).squeeze(-1), kept + 1
-    logp = torch.log_softmax(logits.float() / params.temperature, -1)
-    allowed = logp if params.top_p == 1.0 else _top_p_mask(logp, params.top_p)
+    rows, n = torch.arange(drafts.shape[0], device=drafts.device), drafts.shape[1] + 1
     p_draft = (allowed[:, :-1].gather(-1, drafts[..., None]).squeeze(-1) - allowed[:, :-1].logsumexp(-1)).exp()  # (b, n - 1)
     kept = (torch.rand(p_draft.shape, generator=generator, device=p_draft.device) < p_draft).long().cumprod(1).sum(1)
     last = allowed[rows, kept]  # (b, V): where each row draws its next id
@@ -545,15 +543,18 @@ def _pick(
     logits: Tensor, params: SamplingParams, generator: torch.Generator | None
 ) -> tuple[Tensor, Tensor]:
     """(b, V) logits -> sampled ids (b,) and their log-probs (b,)."""
-    logits = logits.float()
-    if params.temperature == 0:
-        logp = torch.log_softmax(logits, dim=-1)
-        tok = logp.argmax(-1)
-    else:
-        logp = torch.log_softmax(logits / params.temperature, dim=-1)
-        allowed = logp if params.top_p == 1.0 else _top_p_mask(logp, params.top_p)
-        tok = _gumbel_argmax(allowed, generator)
+    logp, allowed = _distribution(logits, params)
+    tok = logp.argmax(-1) if params.temperature == 0 else _gumbel_argmax(allowed, generator)
     return tok, logp.gather(-1, tok[:, None]).squeeze(1)
+
+
+def _distribution(logits: Tensor, params: SamplingParams) -> tuple[Tensor, Tensor]:
+    """(..., V) logits -> the log-probs stored for sampled ids (`log_softmax(logits /
+    temperature)`, temperature 1 when greedy) and the unnormalised log-weights ids are drawn
+    from (those log-probs with top-p applied)."""
+    logp = torch.log_softmax(logits.float() / (params.temperature or 1.0), dim=-1)
+    allowed = logp if params.temperature == 0 or params.top_p == 1.0 else _top_p_mask(logp, params.top_p)
+    return logp, allowed
 
 
 def _gumbel_argmax(logp: Tensor, generator: torch.Generator | None) -> Tensor:
