@@ -75,7 +75,7 @@ def sequence_logprobs(
         tail, values = _tail_logprobs(model, input_ids, attention_mask, cache, head.length, columns, scale)
         return _scatter_columns(values, tail, input_ids.shape[1] - 1)
     shared = shared_prefix_len(input_ids, attention_mask) if share_prefix else 0
-    if shared >= MIN_SHARED_PREFIX and _forward_kwargs(type(model))[1]:
+    if shared >= MIN_SHARED_PREFIX and _forward_kwargs(model)[1]:
         return _prefix_shared_logprobs(model, input_ids, attention_mask, shared, columns, scale)
     positions = position_ids_from_mask(attention_mask)
     kept = _kept_columns(columns, 0, input_ids.shape[1] - 1, model)
@@ -120,7 +120,7 @@ def _prefix_shared_logprobs(
     through the KV cache; hidden state h predicts target h, so targets [0, shared) come from
     the shared pass (each row gathers its own target) and the rest from the batched pass."""
     batch, width = input_ids.shape
-    cache_name = _forward_kwargs(type(model))[0]
+    cache_name = _forward_kwargs(model)[0]
     cache = dynamic_cache(model)
     head = _kept_columns(columns, 0, shared, model)
     out = model(
@@ -149,7 +149,7 @@ def _tail_logprobs(model: PreTrainedModel, input_ids: Tensor, attention_mask: Te
         position_ids=position_ids_from_mask(attention_mask)[:, start:],
         use_cache=True,
         logits_to_keep=tail - start,
-        **{_forward_kwargs(type(model))[0]: cache},
+        **{_forward_kwargs(model)[0]: cache},
     )
     return tail, _target_logprobs(out.logits, input_ids[:, 1:][:, tail], scale)
 
@@ -196,9 +196,9 @@ def shared_head(model: PreTrainedModel, ids: Tensor) -> SharedHead | None:
     """Run the (P,) `ids` through `model` once (with autograd where enabled) as a `SharedHead`;
     None for a model whose LM head cannot be skipped or whose cache is not plain per layer."""
     cache = dynamic_cache(model)
-    if not _forward_kwargs(type(model))[1] or any(type(layer) is not DynamicLayer for layer in cache.layers):
+    if not _forward_kwargs(model)[1] or any(type(layer) is not DynamicLayer for layer in cache.layers):
         return None
-    model(input_ids=ids[None], use_cache=True, logits_to_keep=1, **{_forward_kwargs(type(model))[0]: cache})
+    model(input_ids=ids[None], use_cache=True, logits_to_keep=1, **{_forward_kwargs(model)[0]: cache})
     outputs = [layer.keys for layer in cache.layers] + [layer.values for layer in cache.layers]
     leaves = [out.detach().requires_grad_(out.requires_grad) for out in outputs]
     n = len(cache.layers)
@@ -208,7 +208,7 @@ def shared_head(model: PreTrainedModel, ids: Tensor) -> SharedHead | None:
 def _kept_columns(columns: Tensor | None, start: int, stop: int, model: PreTrainedModel) -> Tensor | None:
     """Indices in [start, stop) of the wanted target columns, or None for "all of them"
     (also when the model cannot skip positions in its LM head)."""
-    if columns is None or not _forward_kwargs(type(model))[1]:
+    if columns is None or not _forward_kwargs(model)[1]:
         return None
     return columns[start:stop].nonzero().squeeze(1) + start
 
@@ -578,8 +578,8 @@ def _next_logits(
 ) -> Tensor:
     """One forward step through the cache; returns the last position's logits (b, V), or with
     `every` each position's (b, T, V)."""
-    kwargs = {_forward_kwargs(type(model))[0]: cache}
-    if _forward_kwargs(type(model))[1]:
+    kwargs = {_forward_kwargs(model)[0]: cache}
+    if _forward_kwargs(model)[1]:
         kwargs["logits_to_keep"] = 0 if every else last_column(ids)
     out = model(
         input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **kwargs
@@ -600,9 +600,19 @@ def last_column(ids: Tensor) -> int | Tensor:
     return torch.tensor([ids.shape[1] - 1], device=ids.device)
 
 
+def _forward_kwargs(model: PreTrainedModel) -> tuple[str, bool]:
+    """(name of the cache argument, whether `logits_to_keep` exists) for this model.
+
+    A wrapper that forwards its keyword arguments (peft's `PeftModel` takes `**kwargs` and passes
+    them to the model it wraps) is read through: the wrapped model's signature decides.
+    """
+    get_base_model = getattr(model, "get_base_model", None)
+    inner = get_base_model() if callable(get_base_model) else model
+    return _signature_kwargs(type(inner))
+
+
 @cache
-def _forward_kwargs(model_cls: type) -> tuple[str, bool]:
-    """(name of the cache argument, whether `logits_to_keep` exists) for this model class."""
+def _signature_kwargs(model_cls: type) -> tuple[str, bool]:
     params = inspect.signature(model_cls.forward).parameters
     cache_name = "cache" if "cache" in params else "past_key_values"
     return cache_name, "logits_to_keep" in params

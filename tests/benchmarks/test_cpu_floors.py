@@ -57,12 +57,12 @@ def test_counting_keeps_the_signature_the_fast_paths_read(model: torch.nn.Module
     signature; counting must not hide it, or the benchmark times slower code than it names."""
     import inspect
 
-    from agents.sampling import _forward_kwargs
+    from agents.sampling import _forward_kwargs, _signature_kwargs
 
     cls = type(model)
     plain = set(inspect.signature(cls.forward).parameters)
-    _forward_kwargs.cache_clear()
+    _signature_kwargs.cache_clear()
     with counting_flops(cls):
         assert set(inspect.signature(cls.forward).parameters) == plain
-        assert _forward_kwargs(cls)[1], "logits_to_keep must stay visible"
-    _forward_kwargs.cache_clear()
+        assert _forward_kwargs(model)[1], "logits_to_keep must stay visible"
+    _signature_kwargs.cache_clear()
