@@ -16,6 +16,8 @@ AdvantageScale = Literal["group", "batch", "none"]
 ADVANTAGE_SCALES: tuple[str, ...] = get_args(AdvantageScale)
 ZeroStd = Literal["keep", "drop", "resample"]
 ZERO_STD: tuple[str, ...] = get_args(ZeroStd)
+Algo = Literal["grpo", "rft"]
+ALGOS: tuple[str, ...] = get_args(Algo)
 Trainable = Literal["all", "attention", "no_embeddings"]
 TRAINABLE: tuple[str, ...] = get_args(Trainable)
 CRITIQUE_STYLES = ("none", "indicative", "ground_truth", "step")
@@ -58,6 +60,10 @@ class TrainConfig:
     """AdamW weight decay."""
     max_grad_norm: float = 1.0
     """Gradient clipping."""
+    algo: Algo = "grpo"
+    """grpo: group-relative advantages (with critiques, Critique-GRPO); rft: rejection-sampling
+    fine-tuning, the verifier-only baseline: the same rollouts, trained only on the verified
+    successes, each with weight 1 (RAFT, arXiv 2504.11343; expert iteration, arXiv 2403.04642)."""
     loss_type: LossType = "dapo"
     """Loss aggregation over tokens."""
     scale: AdvantageScale = "group"
@@ -139,7 +145,7 @@ class TrainConfig:
     """Show a progress bar."""
 
     def __post_init__(self) -> None:
-        for name, choices in (("loss_type", LOSS_TYPES), ("scale", ADVANTAGE_SCALES), ("zero_std", ZERO_STD), ("trainable", TRAINABLE), ("served_engine", SERVED_ENGINES)):
+        for name, choices in (("algo", ALGOS), ("loss_type", LOSS_TYPES), ("scale", ADVANTAGE_SCALES), ("zero_std", ZERO_STD), ("trainable", TRAINABLE), ("served_engine", SERVED_ENGINES)):
             _choice(name, getattr(self, name), choices)
         if not (self.critique in CRITIQUE_STYLES or self.critique.startswith("model:")):
             raise ConfigError(f"critique={self.critique!r}: choose one of {list(CRITIQUE_STYLES)} or 'model:<policy-spec>'.{did_you_mean(self.critique, CRITIQUE_STYLES)}")
@@ -175,6 +181,7 @@ class TrainConfig:
             (not self.served or self.served == VLLM_IN_PROCESS or self.served.startswith(("http://", "https://")), f"served must be an http(s) base URL such as http://127.0.0.1:8000/v1, or {VLLM_IN_PROCESS!r} for in-process vLLM, got {self.served!r}"),
             (0 < self.vllm_memory <= 1, f"vllm_memory must be in (0, 1], got {self.vllm_memory}"),
             (DEVICE.fullmatch(self.device) is not None, f"device must be cpu, cuda or cuda:N, got {self.device!r}"),
+            (self.algo == "grpo" or self.critique == "none", f"algo='rft' trains on the policy's own verified successes only; critique={self.critique!r} needs algo='grpo'"),
             (self.served == VLLM_IN_PROCESS or not self.served or self.served_engine != "vllm" or self.lora_r > 0, "served_engine='vllm' hot-loads LoRA adapters each push: set lora_r > 0 (or serve with transformers serve)"),
         ]
 

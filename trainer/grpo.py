@@ -46,7 +46,7 @@ from trainer.config import VLLM_IN_PROCESS, TrainConfig
 from trainer.distributed import World, check_divisible, close_world, global_normalizer, init_world, training_device
 from trainer.embedded import prepare_models
 from trainer.finite import check_finite
-from trainer.losses import policy_loss, unified_advantages
+from trainer.losses import policy_loss, rft_weights, unified_advantages
 from trainer.metrics import HackingMonitor, MetricsLog, Outcome, env_metrics, plot_curve, rollout_metrics
 from trainer.refine import rebase, sample_subset, select_refinements, should_refine
 from trainer.rollout import Batch, Trajectory, pack, slice_batch
@@ -106,9 +106,11 @@ def setup(config: TrainConfig, *, make_env: EnvFactory | None = None, resume: bo
         warnings.warn(f"resume: no checkpoint under {out / 'checkpoints'} yet; starting from step 0", stacklevel=2)
     torch.manual_seed(config.seed)
     prepare_models(config.model, config.critique.removeprefix("model:") if config.critique.startswith("model:") else None)
-    policy = HFPolicy.from_pretrained(checkpoint or config.model_path, device=world.device, dtype=torch.float32, **asdict(config.sampling))
+    # a LoRA checkpoint holds only the adapter: the base comes from the starting model
+    weights = config.model_path if config.lora_r > 0 else checkpoint or config.model_path
+    policy = HFPolicy.from_pretrained(weights, device=world.device, dtype=torch.float32, **asdict(config.sampling))
     if config.lora_r > 0:
-        policy.model = _with_lora(policy.model, config.lora_r)
+        policy.model = with_lora(policy.model, config.lora_r, adapter=checkpoint)
     freeze_except(policy.model, config.trainable)
     params = [p for p in policy.model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=config.weight_decay)
@@ -195,12 +197,27 @@ def freeze_except(model: torch.nn.Module, trainable: str) -> None:
             param.requires_grad_(False)
 
 
-def _with_lora(model: torch.nn.Module, rank: int) -> torch.nn.Module:
+def with_lora(model: torch.nn.Module, rank: int, *, adapter: Path | None = None) -> torch.nn.Module:
+    """`model` with trainable rank-`rank` LoRA adapters on every linear layer (the base frozen),
+    fresh or loaded from a saved `adapter` directory (a resumed run's checkpoint).
+
+    alpha = 2r, as LoRA Without Regret (Thinking Machines, 2025) and most RL recipes use.
+    """
     try:
-        from peft import LoraConfig, get_peft_model
+        from peft import LoraConfig, PeftModel, get_peft_model
     except ImportError as exc:
         raise ImportError("lora_r > 0 needs peft: pip install 'critique-gym[lora]'") from exc
+    if adapter is not None:
+        return PeftModel.from_pretrained(model, str(adapter), is_trainable=True)
     return get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear", task_type="CAUSAL_LM"))
+
+
+def merged(model: torch.nn.Module) -> torch.nn.Module:
+    """A plain model: LoRA adapters folded into a copy of the base weights (the model itself is
+    untouched); a model without adapters as it is."""
+    if not hasattr(model, "merge_and_unload"):
+        return model
+    return copy.deepcopy(model).merge_and_unload()
 
 
 # -- one step ---------------------------------------------------------------------------------
@@ -362,6 +379,8 @@ def _advantages(state: TrainState, trajs: list[Trajectory]) -> tuple[torch.Tenso
     groups = torch.tensor([g for p in parts for _, g in p], dtype=torch.long)
     advantages = unified_advantages(rewards, groups, state.config.scale) if len(rewards) else rewards
     rows = slice(offset, offset + len(trajs))
+    if state.config.algo == "rft":  # no baseline: each verified success weighs 1, failures are dropped in _keep_rows
+        return rft_weights(torch.tensor([t.success for t in trajs], dtype=torch.bool)), rewards[rows], groups[rows]
     return advantages[rows], rewards[rows], groups[rows]
 
 
@@ -374,7 +393,9 @@ def _critiques(state: TrainState, failed: list[Trajectory]) -> list[str | None]:
 
 def _keep_rows(trajs: list[Trajectory], rewards: torch.Tensor, groups: torch.Tensor, cfg: TrainConfig) -> list[bool]:
     keep = [True] * len(trajs)
-    if cfg.zero_std == "drop":
+    if cfg.algo == "rft":
+        keep = [t.success for t in trajs]
+    elif cfg.zero_std == "drop":
         flat = {int(g) for g in torch.unique(groups) if rewards[groups == g].std(unbiased=False) == 0}
         keep = [t.group not in flat for t in trajs]
     if cfg.mask_truncated:
@@ -509,8 +530,11 @@ def _main_only(state: TrainState, work: Callable[[], Any]) -> Any:
     return result
 
 
-def save(state: TrainState, step: int, directory: Path) -> Path:
-    return save_checkpoint(directory, model=state.model, tokenizer=state.policy.tokenizer, optimizer=state.optimizer, scheduler=state.scheduler, step=step, config=state.config.to_dict())
+def save(state: TrainState, step: int, directory: Path, *, merge: bool = False) -> Path:
+    """A checkpoint of the run; `merge` folds LoRA adapters into the weights (the final model loads
+    anywhere a model does, without peft), while step checkpoints keep the adapter `--resume` needs."""
+    model = merged(state.model) if merge else state.model
+    return save_checkpoint(directory, model=model, tokenizer=state.policy.tokenizer, optimizer=state.optimizer, scheduler=state.scheduler, step=step, config=state.config.to_dict())
 
 
 def train(config: TrainConfig, *, make_env: EnvFactory | None = None, resume: bool = False, console: Console | None = None) -> dict[str, Any]:
@@ -563,7 +587,7 @@ def _train(config: TrainConfig, world: World, *, make_env: EnvFactory | None, re
             state.log.write({"step": last, **_eval_row(after)})
     final = out / "final"
     if world.is_main:
-        save(state, last, final)
+        save(state, last, final, merge=True)
         envs = " + ".join(config.env_ids)
         plot_curve(state.log.rows(), out / "curve.png", title=f"{envs} {config.env_kwargs} ({'critique: ' + config.critique if config.critique != 'none' else 'GRPO'})")
     if state.served:

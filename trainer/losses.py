@@ -77,6 +77,17 @@ def unified_advantages(rewards: Tensor, groups: Tensor, scale: AdvantageScale = 
     return out.float()
 
 
+def rft_weights(success: Tensor) -> Tensor:
+    """(N,) verified outcomes -> (N,) per-trajectory weights for rejection-sampling fine-tuning:
+    1 for a success, 0 for a failure (the trainer drops failures before the loss).
+
+    With the importance ratio at 1 on fresh samples, the policy loss then reduces to the negative
+    log-likelihood of the policy's own successes: RAFT (arXiv 2504.11343), expert iteration
+    (arXiv 2403.04642).
+    """
+    return success.float()
+
+
 def kl_k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
     """Per-token k3 estimate of KL(pi || ref): exp(ref - logp) - (ref - logp) - 1, >= 0; shape kept.
 
