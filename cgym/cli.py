@@ -25,6 +25,7 @@ from cgym.commands import UsageError, err_console
 from cgym.options import COUNT, NATURAL, NON_NEGATIVE, POSITIVE, SHARE, TOP_P, add_config_options, bounded, field_docs, json_object
 from envs.errors import CgymError
 from trainer.config import TrainConfig, env_kwargs_for
+from trainer.quickstart import QuickstartPlan
 
 SAMPLING_TYPES = {"temperature": NON_NEGATIVE, "top_p": TOP_P, "max_new_tokens": COUNT}
 POLICY_HELP = "policy spec: scripted:<agent>, hf:<dir-or-hub-name>, openai:<model>@<base_url>, vllm:<name>, py:<module>:<callable>, guarded:<spec>, prompted:<spec>"
@@ -171,7 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("quickstart", help="the whole story on CPU: pretrained model, SFT, GRPO, compare, report")
     p.add_argument("--out", type=Path, default=Path("quickstart"))
     p.add_argument("--model", default="smollm2-135m", help="smollm2-135m (default), tiny, a directory or a .gguf file")
-    p.add_argument("--sft-demos", type=COUNT, default=80, help="demonstrations for the warm start (few, so GRPO has room)")
+    p.add_argument("--sft-demos", type=COUNT, default=QuickstartPlan.sft_demos, help="demonstrations for the warm start (few, so GRPO has room) (default: %(default)s)")
+    p.add_argument("--train-steps", type=COUNT, default=QuickstartPlan.train_steps, help="GRPO steps (default: %(default)s)")
+    p.add_argument("--critique", choices=("none", "indicative", "ground_truth", "step"), default=QuickstartPlan.critique, help="Critique-GRPO on groups that all failed (default: %(default)s, plain GRPO)")
     p.add_argument("--seed", type=NATURAL, default=0)
     p.set_defaults(func=commands.cmd_quickstart)
 

@@ -281,5 +281,5 @@ def _serve_openenv(args: argparse.Namespace) -> int:
 def cmd_quickstart(args: argparse.Namespace) -> int:
     from trainer.quickstart import QuickstartPlan, run
 
-    run(args.out, QuickstartPlan(model=args.model, sft_demos=args.sft_demos, seed=args.seed), console=console)
+    run(args.out, QuickstartPlan(model=args.model, sft_demos=args.sft_demos, train_steps=args.train_steps, critique=args.critique, seed=args.seed), console=console)
     return 0

@@ -8,24 +8,31 @@ from typing import Any
 from agents.base import Policy
 from agents.episodes import EpisodeResult
 from agents.evaluate import EvalConfig, evaluate
+from trainer.paired import PairedDifference, paired_difference
 
 MAX_DISAGREEMENTS = 40
 
 
-def compare(arms: Sequence[tuple[str, Policy]], config: EvalConfig, *, on_arm: Callable[[str], Any] | None = None) -> dict[str, Any]:
+Arm = Policy | Callable[[], Policy]
+"""A policy, or a function that loads one: a loaded arm is dropped once evaluated, so a
+comparison of local models holds one of them at a time."""
+
+
+def compare(arms: Sequence[tuple[str, Arm]], config: EvalConfig, *, on_arm: Callable[[str], Any] | None = None) -> dict[str, Any]:
     """Evaluate every arm on the same seeds; `before`/`after` are the first and last arms.
 
     `disagreements` lists episodes (by seed) where the first and last arm differ in success,
-    with both transcripts and their critiques.
+    with both transcripts and their critiques (the first MAX_DISAGREEMENTS); `paired` holds every
+    arm's paired difference in success against the first arm, counted over all episodes.
     """
     if len(arms) < 2:
         raise ValueError("compare needs at least two policies (e.g. --before and --after)")
     summaries: dict[str, dict[str, Any]] = {}
     results: dict[str, list[EpisodeResult]] = {}
-    for label, policy in arms:
+    for label, arm in arms:
         if on_arm:
             on_arm(label)
-        summaries[label], results[label] = evaluate(policy, config)
+        summaries[label], results[label] = evaluate(arm if isinstance(arm, Policy) else arm(), config)
     first, last = arms[0][0], arms[-1][0]
     return {
         "env": config.env_id,
@@ -37,7 +44,18 @@ def compare(arms: Sequence[tuple[str, Policy]], config: EvalConfig, *, on_arm: C
         "after": _strip(summaries[last]),
         "arms": {label: _strip(s) for label, s in summaries.items()},
         "disagreements": disagreements(results[first], results[last], first, last),
+        "differing": sum(a.success != b.success for a, b in zip(results[first], results[last])),
+        "paired": {label: paired_arms(summaries[first], summaries[label]).to_dict() for label, _ in arms[1:]},
     }
+
+
+def paired_arms(before: dict[str, Any], after: dict[str, Any]) -> PairedDifference:
+    """`after - before` in success over the same episodes (two arms' eval summaries), with its
+    bootstrap interval."""
+    a, b = before["per_episode"], after["per_episode"]
+    if [e["seed"] for e in a] != [e["seed"] for e in b]:
+        raise ValueError("the two arms were not evaluated on the same episodes")
+    return paired_difference([float(e["success"]) for e in a], [float(e["success"]) for e in b])
 
 
 def _strip(summary: dict[str, Any]) -> dict[str, Any]:

@@ -57,12 +57,13 @@ def plot_comparison(result: dict[str, Any], path: Path) -> Path:
 def markdown_report(result: dict[str, Any], *, extra: str = "") -> str:
     """A short Markdown summary table of every arm."""
     lines = [f"# {result['env']} {json.dumps(result['env_kwargs'])}", "", f"{result['episodes']} test episodes, seed {result['seed']}.", ""]
-    lines += ["| policy | success | mean reward | top critique codes |", "|---|---|---|---|"]
+    first = result["labels"][0]
+    lines += [f"| policy | success | vs {first} (paired, 95% interval) | mean reward | top critique codes |", "|---|---|---|---|---|"]
     for label in result["labels"]:
         arm = result["arms"][label]
         codes = ", ".join(f"{c} ({n})" for c, n in list(arm["critique_codes"].items())[:3]) or "none"
-        lines.append(f"| {label} | {arm['success_rate']:.1%} | {arm['mean_reward']:+.2f} | {codes} |")
-    lines += ["", f"{len(result['disagreements'])} episodes where the first and last policy disagree (see report.html)."]
+        lines.append(f"| {label} | {arm['success_rate']:.1%} | {_paired_cell(result, label)} | {arm['mean_reward']:+.2f} | {codes} |")
+    lines += ["", f"{_differing(result)} where the first and last policy disagree (see report.html)."]
     return "\n".join(lines + ([""] + [extra] if extra else [])) + "\n"
 
 
@@ -77,11 +78,25 @@ def html_report(result: dict[str, Any], images: list[Path], *, title: str = "cri
         data = base64.b64encode(Path(image).read_bytes()).decode()
         parts.append(f"<figure><img class='plot' alt='{_e(Path(image).stem)}' src='data:image/png;base64,{data}'><figcaption>{_e(Path(image).stem)}</figcaption></figure>")
     parts.append(extra_html)
-    parts.append(f"<h2>Episodes where {_e(first)} and {_e(last)} disagree ({len(result['disagreements'])})</h2>")
+    parts.append(f"<h2>Episodes where {_e(first)} and {_e(last)} disagree: {_e(_differing(result))}</h2>")
     for i, row in enumerate(result["disagreements"]):
         parts.append(_disagreement(row, first, last, open_=i == 0))
     parts.append(f"<script>{_JS}</script></body></html>")
     return "".join(parts)
+
+
+def _differing(result: dict[str, Any]) -> str:
+    """'65 episodes (the first 40 shown)': the count is of all of them, whatever the report lists."""
+    total, shown = result.get("differing", len(result["disagreements"])), len(result["disagreements"])
+    return f"{total} episodes" + (f" (the first {shown} shown)" if shown < total else "")
+
+
+def _paired_cell(result: dict[str, Any], label: str) -> str:
+    paired = result.get("paired", {}).get(label)
+    if paired is None:
+        return "-"
+    mean, low, high = (100 * paired[k] for k in ("mean", "low", "high"))
+    return f"{mean:+.1f} [{low:+.1f}, {high:+.1f}] points"
 
 
 def _summary_table(result: dict[str, Any]) -> str:
@@ -91,8 +106,9 @@ def _summary_table(result: dict[str, Any]) -> str:
     for label in result["labels"]:
         arm = result["arms"][label]
         cells = "".join(f"<td>{arm['check_pass_rates'].get(c, 0):.2f}</td>" for c in checks)
-        rows.append(f"<tr><td>{_e(label)}</td><td><b>{arm['success_rate']:.1%}</b></td><td>{arm['mean_reward']:+.2f}</td>{cells}<td>{arm['mean_turns']:.1f}</td></tr>")
-    return f"<table id='summary'><thead><tr><th>policy</th><th>success</th><th>mean reward</th>{head}<th>turns</th></tr></thead><tbody>{''.join(rows)}</tbody></table>"
+        rows.append(f"<tr><td>{_e(label)}</td><td><b>{arm['success_rate']:.1%}</b></td><td>{_e(_paired_cell(result, label))}</td><td>{arm['mean_reward']:+.2f}</td>{cells}<td>{arm['mean_turns']:.1f}</td></tr>")
+    vs = f"vs {_e(result['labels'][0])} (paired, 95% interval)"
+    return f"<table id='summary'><thead><tr><th>policy</th><th>success</th><th>{vs}</th><th>mean reward</th>{head}<th>turns</th></tr></thead><tbody>{''.join(rows)}</tbody></table>"
 
 
 def _disagreement(row: dict[str, Any], first: str, last: str, *, open_: bool) -> str:

@@ -5,29 +5,48 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
 from rich.console import Console
 
 from trainer.quickstart import QuickstartPlan, run
 
 
+SMALL = dict(sft_demos=8, train_steps=1, group_size=2, tasks_per_step=2, eval_episodes=4, lora_r=4, learning_rate=1e-3)
+
+
 def test_quickstart_writes_the_reports_and_the_figures(tmp_path: Path, tiny_chat_model: Path) -> None:
-    plan = QuickstartPlan(model=str(tiny_chat_model), sft_demos=8, sft_seconds=5.0, train_seconds=5.0, train_steps=1, group_size=2, tasks_per_step=2, eval_episodes=4)
+    plan = QuickstartPlan(model=str(tiny_chat_model), **SMALL)
     console = Console(record=True, width=200)
     summary = run(tmp_path, plan, console=console)
     for name in ("report.md", "report.html", "compare.json", "compare.png", "quickstart.json", "grpo/curve.png", "grpo/final/config.json"):
         assert (tmp_path / name).is_file(), name
     compare = json.loads((tmp_path / "compare.json").read_text())
-    assert {"before", "after", "arms"} <= compare.keys() and compare["before"]["episodes"] == 4
-    assert compare["labels"][0].startswith("prompt-only") and compare["labels"][-1].startswith("trained")
+    assert {"before", "after", "arms", "paired", "differing"} <= compare.keys() and compare["before"]["episodes"] == 4
+    assert compare["labels"][0].startswith("prompt-only") and compare["labels"][-1].startswith("SFT + GRPO")
     assert compare["before"] == compare["arms"][compare["labels"][0]] and compare["after"] == compare["arms"][compare["labels"][-1]]
-    assert list(summary["arms"]) == ["prompt-only", "prompted", "SFT", "trained"]
+    assert list(summary["arms"]) == ["prompt-only", "SFT", "SFT + GRPO"]
     assert 0.0 <= summary["before_success"] <= 1.0 and 0.0 <= summary["after_success"] <= 1.0
+    gain = summary["grpo_gain"]
+    assert gain["episodes"] == 4 and gain["low"] <= gain["mean"] <= gain["high"]
+    assert gain["mean"] == summary["after_success"] - summary["arms"]["SFT"]
     assert set(summary["timings_s"]) == {"model", "sft", "train", "compare", "total"}
     assert json.loads((tmp_path / "quickstart.json").read_text()) == summary
     printed = console.export_text()
-    assert "report.html" in printed
-    # a 5-second warm start of an untrained tiny model solves nothing: the hint must show
+    assert "report.html" in printed and "expected: about" in printed and "GRPO's own gain" in printed
+    # 8 demonstrations of an untrained tiny model solve nothing: the hint must show
     assert summary["arms"]["SFT"] < 0.05 and "larger --sft-demos" in printed
+
+
+def test_a_seed_gives_the_same_models_on_every_run(tmp_path: Path, tiny_chat_model: Path) -> None:
+    """Phases are set by step counts, never by a clock: two runs of one seed end bit-identical."""
+    from safetensors.torch import load_file
+
+    plan = QuickstartPlan(model=str(tiny_chat_model), **(SMALL | {"eval_episodes": 1}))
+    for run_dir in ("a", "b"):
+        run(tmp_path / run_dir, plan, console=Console(quiet=True))
+    for weights in ("sft/model.safetensors", "grpo/final/model.safetensors"):
+        a, b = load_file(tmp_path / "a" / weights), load_file(tmp_path / "b" / weights)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), weights
 
 
 def test_embedded_model_drills_mix_copies_and_look_ups(monkeypatch, tmp_path: Path) -> None:
