@@ -16,6 +16,7 @@ from functools import cache
 import torch
 
 from agents.kv_cache import weights_version
+from agents.lora import has_adapters, merged
 
 DTYPE_ENV = "CGYM_DTYPE"
 
@@ -55,6 +56,7 @@ class SamplingWeights:
 
     Autocast re-casts every weight at every decode step; a copy made once per optimizer step
     costs one cast of the weights. Where the compute dtype is the model's own, it is the model.
+    A LoRA-wrapped model's copy has its adapters folded in, so sampling runs a plain model.
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
@@ -73,7 +75,10 @@ class SamplingWeights:
             return self.model
         dtype = compute_dtype(next(self.model.parameters()).device)
         version = weights_version(self.model)
-        if self._copy is None:
+        if has_adapters(self.model):  # LoRA: fold the adapters into a fresh plain copy at each new version
+            if self._copy is None or version != self._version:
+                self._copy = merged(self.model).to(dtype).eval().requires_grad_(False)
+        elif self._copy is None:
             self._copy = copy.deepcopy(self.model).to(dtype).eval().requires_grad_(False)
         elif version != self._version:
             with torch.no_grad():

@@ -35,6 +35,7 @@ from agents.critics import run_refinements
 from agents.episodes import run_episodes
 from agents.evaluate import EvalConfig, evaluate
 from agents.hf import HFPolicy
+from agents.lora import merged, with_lora
 from agents.precision import autocast
 from agents.pretrained import resolve_model
 from agents.sampling import MIN_SHARED_PREFIX, SharedHead, sequence_logprobs, shared_head, shared_prefix_len
@@ -195,29 +196,6 @@ def freeze_except(model: torch.nn.Module, trainable: str) -> None:
             param.requires_grad_(False)
         elif trainable == "no_embeddings" and ("embed_tokens" in name or "lm_head" in name):
             param.requires_grad_(False)
-
-
-def with_lora(model: torch.nn.Module, rank: int, *, adapter: Path | None = None) -> torch.nn.Module:
-    """`model` with trainable rank-`rank` LoRA adapters on every linear layer (the base frozen),
-    fresh or loaded from a saved `adapter` directory (a resumed run's checkpoint).
-
-    alpha = 2r, as LoRA Without Regret (Thinking Machines, 2025) and most RL recipes use.
-    """
-    try:
-        from peft import LoraConfig, PeftModel, get_peft_model
-    except ImportError as exc:
-        raise ImportError("lora_r > 0 needs peft: pip install 'critique-gym[lora]'") from exc
-    if adapter is not None:
-        return PeftModel.from_pretrained(model, str(adapter), is_trainable=True)
-    return get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear", task_type="CAUSAL_LM"))
-
-
-def merged(model: torch.nn.Module) -> torch.nn.Module:
-    """A plain model: LoRA adapters folded into a copy of the base weights (the model itself is
-    untouched); a model without adapters as it is."""
-    if not hasattr(model, "merge_and_unload"):
-        return model
-    return copy.deepcopy(model).merge_and_unload()
 
 
 # -- one step ---------------------------------------------------------------------------------

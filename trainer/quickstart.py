@@ -35,6 +35,9 @@ class QuickstartPlan:
     model: str = "smollm2-135m"
     """The pretrained model (short name, directory or .gguf file)."""
     difficulty: str = "easy"
+    max_turns: int = 3
+    """The turn limit of every phase's episodes: easy takes one call and one answer, so 3 leaves a
+    turn to spare and bounds what a weak policy's episodes cost (the env's default is 4)."""
     sft_demos: int = 64
     """Scripted demonstrations for the warm start, one epoch (8 steps of 8): few enough that
     the SFT'd model still fails often when it samples, the room GRPO trains in."""
@@ -90,7 +93,7 @@ def run(out: Path, plan: QuickstartPlan = QuickstartPlan(), *, console: Console 
     phase("model")
 
     console.rule(f"2/4 SFT warm start on {plan.sft_demos} scripted demonstrations")
-    env_kwargs = {"difficulty": plan.difficulty}
+    env_kwargs = {"difficulty": plan.difficulty, "max_turns": plan.max_turns}
     demos = demonstrations(ENV_ID, env_kwargs, episodes=plan.sft_demos, seed=plan.seed + 1)
     sft(base, demos, out / "sft", lr=plan.sft_lr, epochs=plan.sft_epochs, seed=plan.seed)
     phase("sft")

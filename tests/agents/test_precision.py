@@ -63,3 +63,26 @@ def test_the_sampling_copy_follows_weight_updates(tiny_chat_model: Path, monkeyp
     again = weights.get()
     assert again is first  # refreshed in place, not rebuilt
     torch.testing.assert_close(again.model.embed_tokens.weight.float(), model.model.embed_tokens.weight, atol=0.05, rtol=0.01)
+
+
+def test_a_lora_models_sampling_copy_is_plain_with_the_adapters_folded_in(tiny_chat_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sampling a LoRA-wrapped model runs a plain bf16 model (no adapter matmuls per decode step)
+    that follows the adapters as they train."""
+    pytest.importorskip("peft")
+    from agents.lora import with_lora
+
+    monkeypatch.setenv(DTYPE_ENV, "bfloat16")
+    model = with_lora(AutoModelForCausalLM.from_pretrained(tiny_chat_model, dtype=torch.float32), 4)
+    weights = SamplingWeights(model)
+    ids = torch.tensor([[1, 5, 9, 13, 17, 21]])
+    for _ in range(2):  # as built, and after the adapters moved
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_B" in name:
+                    param.add_(0.05)
+            expected = model(input_ids=ids).logits
+        copy = weights.get()
+        assert not any("lora" in name for name, _ in copy.named_parameters())
+        assert next(copy.parameters()).dtype == torch.bfloat16
+        with torch.no_grad():
+            torch.testing.assert_close(copy(input_ids=ids).logits.float(), expected, atol=0.1, rtol=0.05)

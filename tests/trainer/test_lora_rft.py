@@ -101,7 +101,7 @@ def test_a_lora_wrapped_model_keeps_only_the_scored_logit_columns(tiny_model: Pa
     from transformers import AutoModelForCausalLM
 
     from agents.sampling import sequence_logprobs
-    from trainer.grpo import with_lora
+    from agents.lora import with_lora
 
     widths: list[int] = []
     bare = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)

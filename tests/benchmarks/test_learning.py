@@ -1,0 +1,45 @@
+"""The learning protocol's benchmark: arms resolved, paired tables, a resumable end-to-end run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks import learning
+
+
+def test_arms_are_built_in_names_or_overrides() -> None:
+    assert learning.resolve_arms([]) == {"grpo": {}, "rft": {"algo": "rft"}}
+    assert learning.resolve_arms([("rft", None), ("hot", {"learning_rate": 1e-3})]) == {"rft": {"algo": "rft"}, "hot": {"learning_rate": 1e-3}}
+    with pytest.raises(SystemExit, match="unknown arm 'grop'"):
+        learning.resolve_arms([("grop", None)])
+
+
+def test_the_paired_table_compares_each_arm_with_the_start_and_with_each_other() -> None:
+    start = [0, 0, 1, 1]
+    runs = [
+        {"arm": "grpo", "seed": 0, "outcomes": [1, 1, 1, 1]},
+        {"arm": "grpo", "seed": 1, "outcomes": [1, 0, 1, 1]},
+        {"arm": "rft", "seed": 0, "outcomes": [1, 0, 1, 0]},
+    ]
+    table = learning.paired_table(start, runs)
+    assert set(table) == {"grpo - start", "rft - start", "grpo - rft"}
+    assert table["grpo - start"]["mean"] == pytest.approx(3 / 8) and table["grpo - start"]["seeds"] == [0, 1]
+    assert table["grpo - rft"]["seeds"] == [0] and table["grpo - rft"]["mean"] == pytest.approx(0.5)
+    assert table["rft - start"]["gained"] == 1 and table["rft - start"]["lost"] == 1
+
+
+@pytest.mark.slow
+def test_a_run_writes_json_and_png_and_resumes_without_redoing_runs(tmp_path: Path, tiny_chat_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    argv = ["--start", str(tiny_chat_model), "--arm", "grpo", "--arm", "rft", "--seeds", "0", "--steps", "1", "--eval-episodes", "2",
+            "--train", '{"group_size": 2, "lora_r": 2, "max_new_tokens": 8}', "--out", str(tmp_path / "runs"),
+            "--json", str(tmp_path / "l.json"), "--plot", str(tmp_path / "l.png")]  # fmt: skip
+    learning.main(argv)
+    result = json.loads((tmp_path / "l.json").read_text())
+    assert [(r["arm"], r["steps"]) for r in result["runs"]] == [("grpo", 1), ("rft", 1)]
+    assert len(result["start"]["outcomes"]) == 2 and set(result["paired"]) == {"grpo - start", "rft - start", "grpo - rft"}
+    assert (tmp_path / "l.png").stat().st_size > 1000
+    monkeypatch.setattr(learning, "run_arm", lambda *a, **k: pytest.fail("a finished run was trained again"))
+    learning.main([*argv, "--resume"])
