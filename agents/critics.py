@@ -12,9 +12,8 @@ from collections.abc import Callable, Sequence
 from typing import Literal
 
 import gymnasium as gym
-
-from agents.base import Conversation, Policy
-from agents.episodes import EpisodeResult, run_episodes
+from cgym.agents.base import Conversation, Policy
+from cgym.agents.eval.episodes import EpisodeResult, run_episodes
 
 Verdict = Literal["correct", "incorrect"]
 _VERDICT = re.compile(r"(?:conclusion\W*)?\b(incorrect|correct)\b\W*\[\s*end\s*\]", re.IGNORECASE)

@@ -7,13 +7,12 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
-
-from agents.base import Conversation
-from agents.critics import refinement_conversation
-from agents.episodes import run_episodes
-from agents.scripted import ScriptedPolicy, family_for
-from envs.critique import CritiqueStyle
-from envs.registration import ScriptedAgentsError, make, takes_kwarg
+from cgym.agents.base import Conversation
+from cgym.agents.critics import refinement_conversation
+from cgym.agents.eval.episodes import run_episodes
+from cgym.agents.scripted import ScriptedPolicy, family_for
+from cgym.envs.critique import CritiqueStyle
+from cgym.envs.registration import ScriptedAgentsError, make, takes_kwarg
 
 Demo = tuple[list[dict[str, Any]], list[dict[str, Any]]]  # (messages, tools)
 

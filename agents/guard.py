@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
-from agents.base import Conversation, Policy, Turn
-from envs.api_report.checks import extract_report
-from envs.toolcall import ParsedTurn, parse_turn
+from cgym.agents.base import Conversation, Policy, Turn
+from cgym.envs.api_report.checks import extract_report
+from cgym.envs.toolcall import ParsedTurn, parse_turn
 
 
 @runtime_checkable

@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from envs.errors import CgymError, did_you_mean
+from cgym.envs.errors import CgymError, did_you_mean
 
 CACHE_ENV = "CGYM_CACHE"
 DEFAULT_MODEL = "smollm2-135m"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from agents.base import Conversation, Policy, Turn
+from cgym.agents.base import Conversation, Policy, Turn
 
 RULES = (
     "Rules:\n"

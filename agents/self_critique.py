@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from agents.base import Policy
-from agents.critics import ModelCritic, parse_verdict, run_refinements
-from agents.episodes import EpisodeResult
-from agents.evaluate import EvalConfig, evaluate, summarize
-from envs.registration import make
+from cgym.agents.base import Policy
+from cgym.agents.critics import ModelCritic, parse_verdict, run_refinements
+from cgym.agents.eval.episodes import EpisodeResult
+from cgym.agents.eval.evaluate import EvalConfig, evaluate, summarize
+from cgym.envs.registration import make
 
 
 def evaluate_with_self_critique(policy: Policy, config: EvalConfig) -> dict[str, Any]:

@@ -9,11 +9,11 @@ import importlib
 import inspect
 import os
 import sys
-from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
-from agents.base import Policy
-from envs.errors import CgymError, ConfigError, did_you_mean
+from cgym.agents.base import Policy
+from cgym.agents.options import PolicySpecError, SamplingOptions
+from cgym.envs.errors import did_you_mean
 
 SPEC_FORMS = (
     "scripted:<agent> (e.g. scripted:oracle)",
@@ -27,40 +27,8 @@ SPEC_FORMS = (
 )
 KINDS = ("scripted", "hf", "openai", "vllm", "guarded", "prompted", "py")
 ServedEngine = Literal["transformers", "vllm"]
-"""The servers that training rollouts can come from, with a weight push each (see `agents.served`)."""
+"""The servers that training rollouts can come from, with a weight push each (see `trainer.samplers.served`)."""
 SERVED_ENGINES: tuple[str, ...] = get_args(ServedEngine)
-
-
-class PolicySpecError(CgymError, ValueError):
-    """A policy spec that does not parse, or an option of the policy outside its valid range."""
-
-
-@dataclass(frozen=True)
-class SamplingOptions:
-    """How a model-backed policy samples a turn: the one definition of these settings and their defaults.
-
-    `TrainConfig` carries the same fields (it trains at `max_new_tokens` 96, shorter turns being
-    faster); `hf:`, `openai:`, `vllm:` and `py:` policies all receive an instance.
-    """
-
-    temperature: float = 1.0
-    """Sampling temperature (0: greedy)."""
-    top_p: float = 1.0
-    """Nucleus sampling: keep the most likely tokens up to this probability mass (1.0: off)."""
-    max_new_tokens: int = 256
-    """Tokens per assistant turn."""
-    seed: int = 0
-    """Seeds the sampler, so the same calls give the same turns."""
-
-    def __post_init__(self) -> None:
-        for ok, rule in (
-            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
-            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
-            (self.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}"),
-            (self.seed >= 0, f"seed must be >= 0, got {self.seed}"),
-        ):
-            if not ok:
-                raise ConfigError(rule)
 
 
 def parse_spec(spec: str) -> tuple[str, str]:
@@ -76,28 +44,28 @@ def load_policy(spec: str, options: SamplingOptions | None = None, *, env_id: st
     kind, rest = parse_spec(spec)
     opts = options or SamplingOptions()
     if kind == "guarded":
-        from agents.guard import GuardedPolicy
+        from cgym.agents.guard import GuardedPolicy
 
         return GuardedPolicy(load_policy(rest, opts, env_id=env_id))
     if kind == "prompted":
-        from agents.prompting import PromptedPolicy
+        from cgym.agents.prompting import PromptedPolicy
 
         return PromptedPolicy(load_policy(rest, opts, env_id=env_id))
     if kind == "scripted":
-        from agents.scripted import ScriptedPolicy
+        from cgym.agents.scripted import ScriptedPolicy
 
         return ScriptedPolicy(rest, env_id=env_id)
     if kind == "py":
         return _user_policy(rest, opts)
     if kind == "hf":
-        from agents.hf import HFPolicy
+        from cgym.agents.local.hf import HFPolicy
 
         return HFPolicy.from_pretrained(rest, temperature=opts.temperature, top_p=opts.top_p, max_new_tokens=opts.max_new_tokens, seed=opts.seed)
     if kind == "openai":
-        from agents.openai_server import OpenAIPolicy
+        from cgym.agents.remote.openai_client import OpenAIPolicy
 
         return OpenAIPolicy.from_spec(rest, temperature=opts.temperature, top_p=opts.top_p, max_tokens=opts.max_new_tokens, seed=opts.seed)
-    from agents.vllm_policy import VLLMPolicy
+    from cgym.agents.remote.vllm_policy import VLLMPolicy
 
     return VLLMPolicy.from_spec(rest, temperature=opts.temperature, top_p=opts.top_p, max_tokens=opts.max_new_tokens, seed=opts.seed)
 

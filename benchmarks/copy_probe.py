@@ -9,7 +9,7 @@ for every value; one that falls back on its prior is right for the common value 
 tool said. For envs whose final answer is a JSON report (ApiReport); a diagnostic, so it lives here.
 
 Usage:
-    python -m benchmarks.copy_probe --model quickstart/sft --model quickstart/grpo/final \\
+    python -m cgym.benchmarks.copy_probe --model quickstart/sft --model quickstart/grpo/final \\
         --env-kwargs '{"difficulty": "easy"}' --episodes 300 --json runs/copy_probe.json
 
 Runs the oracle on the test episodes, then probes every model on its transcripts (teacher-forced):
@@ -29,14 +29,13 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
+from cgym.agents.eval.episodes import EpisodeResult, run_episodes
+from cgym.agents.ledger import ChatEncoder
+from cgym.agents.scripted import ScriptedPolicy
+from cgym.benchmarks.output import emit
+from cgym.envs.api_report.checks import extract_report
+from cgym.envs.registration import make
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
-
-from agents.chat import ChatEncoder
-from agents.episodes import EpisodeResult, run_episodes
-from agents.scripted import ScriptedPolicy
-from benchmarks.output import emit
-from envs.api_report.checks import extract_report
-from envs.registration import make
 
 MAX_GROUPS = 8  # fields with at most this many distinct values are broken down by value
 

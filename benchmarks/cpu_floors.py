@@ -1,7 +1,7 @@
 """Issue 15's figures with their compute floors: a GRPO step and a greedy eval, timed, with the
 FLOPs of the tokens they ran and this CPU's matmul peak measured in the same run.
 
-    python -m benchmarks.cpu_floors --model runs/sft_easy --json benchmarks/results/cpu_floors_smollm2.json
+    python -m cgym.benchmarks.cpu_floors --model runs/sft_easy --json benchmarks/results/cpu_floors_smollm2.json
 
 Every forward call of a causal LM is counted by a global forward pre-hook (rows x new tokens,
 the keys each attends to, the LM-head columns kept, and whether autograd is recording, which
@@ -34,9 +34,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from agents.sampling import LOOKUP_TOKENS
-from benchmarks.output import emit
+from cgym.agents.local.sampling import LOOKUP_TOKENS
+from cgym.benchmarks.output import emit
 
 ENV_ID = "cgym/ApiReport-v0"
 ENV_KWARGS: dict[str, Any] = {"difficulty": "easy"}
@@ -152,8 +151,8 @@ def figure(seconds: float, count: FlopCount, peak_gflops: float, exps_per_s: flo
 def grpo_steps(model: str, steps: int, out: Path, draft_tokens: int = LOOKUP_TOKENS) -> tuple[list[float], list[FlopCount], list[dict[str, Any]]]:
     """`steps` GRPO steps of 4 tasks x 8 on ApiReport easy after one warm-up step, the rollouts
     drafting `draft_tokens` ids per step once few rows are left."""
-    from trainer.config import TrainConfig
-    from trainer.grpo import setup, train_step
+    from cgym.trainer.config import TrainConfig
+    from cgym.trainer.grpo import setup, train_step
 
     config = TrainConfig(env_id=ENV_ID, env_kwargs=ENV_KWARGS, model=model, out=str(out), group_size=8, tasks_per_step=4, eval_episodes=0, progress=False)
     state = setup(config)
@@ -172,9 +171,9 @@ def grpo_steps(model: str, steps: int, out: Path, draft_tokens: int = LOOKUP_TOK
 
 
 def greedy_eval(model: str, episodes: int, draft_tokens: int) -> tuple[float, FlopCount, float]:
-    from agents.evaluate import EvalConfig, evaluate
-    from agents.hf import HFPolicy
-    from trainer.grpo import EVAL_SEED
+    from cgym.agents.eval.evaluate import EvalConfig, evaluate
+    from cgym.agents.local.hf import HFPolicy
+    from cgym.trainer.grpo import EVAL_SEED
 
     policy = HFPolicy.from_pretrained(model, temperature=0.0, draft_tokens=draft_tokens)
     with counting_flops(type(policy.model)) as count:
@@ -185,9 +184,9 @@ def greedy_eval(model: str, episodes: int, draft_tokens: int) -> tuple[float, Fl
 
 
 def run(model: str, *, steps: int, episodes: int, draft_tokens: int = LOOKUP_TOKENS) -> dict[str, Any]:
-    from agents.allocator import keep_freed_memory
-    from agents.precision import compute_dtype
-    from trainer.embedded import prepare_models
+    from cgym.agents.local.allocator import keep_freed_memory
+    from cgym.agents.local.precision import compute_dtype
+    from cgym.trainer.embedded import prepare_models
 
     prepare_models(model)
     load = round(os.getloadavg()[0], 2)
@@ -237,7 +236,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--draft-tokens", type=int, default=LOOKUP_TOKENS, help="prompt-lookup drafts per step, in the greedy eval and the GRPO rollouts (0: off)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
-    import envs  # noqa: F401 - registers the built-in envs
+    from cgym import envs  # noqa: F401 - registers the built-in envs
 
     emit(run(args.model, steps=args.steps, episodes=args.episodes, draft_tokens=args.draft_tokens), args.json)
 

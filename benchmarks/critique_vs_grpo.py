@@ -1,7 +1,7 @@
 """GRPO vs Critique-GRPO from the same warm-started model, same wall-clock budget, several seeds.
 
 Usage:
-    python -m benchmarks.critique_vs_grpo --model quickstart/sft --difficulty hard \\
+    python -m cgym.benchmarks.critique_vs_grpo --model quickstart/sft --difficulty hard \\
         --budget 180 --seeds 0 1 2 --json runs/critique_vs_grpo.json --plot runs/critique_vs_grpo.png
     (--ablations adds indicative / ground-truth critiques and step critiques without shaping;
      --task-pool N trains on a fixed pool of N train tasks and also reports greedy success on it;
@@ -12,7 +12,7 @@ Usage:
     --headroom K to measure pass@K at the training temperature of the starting model and of every
     run's final model, and how many test tasks K samples never, sometimes or always solve (what GRPO
     can sharpen towards without learning anything new, and whether training kept it):
-    python -m benchmarks.critique_vs_grpo --model quickstart/sft --difficulty easy --budget 110 \
+    python -m cgym.benchmarks.critique_vs_grpo --model quickstart/sft --difficulty easy --budget 110 \
         --seeds 0 --temperature 0.8 --eval-every 10 --eval-episodes 100 --headroom 8 \
         --arm 'grpo={"critique": "none"}' --arm 'lr_1e-3={"critique": "none", "learning_rate": 1e-3}'
 
@@ -63,8 +63,8 @@ def run_arm(name: str, overrides: dict[str, Any], seed: int, setting: Setting, *
     """Train one arm from the start model for the budget. With `start` (the start model's test
     success, measured once) the trainer skips its own before/between evals and the final model
     is evaluated here on the same test episodes."""
-    from trainer.config import TrainConfig
-    from trainer.grpo import train
+    from cgym.trainer.config import TrainConfig
+    from cgym.trainer.grpo import train
 
     out = setting.out / f"{name}-seed{seed}"
     base = dict(
@@ -111,8 +111,8 @@ def run_arm(name: str, overrides: dict[str, Any], seed: int, setting: Setting, *
 def run_sft_arm(seed: int, setting: Setting, start: float) -> dict[str, Any]:
     """"SFT alone" at equal extra compute: SFT from the start model on fresh demonstrations
     (seeds no other arm saw) for the same budget, then the same test evaluation."""
-    from agents.demos import demonstrations
-    from trainer.sft import sft
+    from cgym.agents.demos import demonstrations
+    from cgym.trainer.sft import sft
 
     out = setting.out / f"{SFT_ARM}-seed{seed}"
     demos = demonstrations(setting.env_id, {"difficulty": setting.difficulty}, episodes=SFT_ARM_DEMOS, seed=100 + seed)
@@ -130,7 +130,7 @@ SFT_ARM_DEMOS = 400  # more than a 10-minute budget gets through on 2 cores (~11
 
 def test_success(model: str, setting: Setting) -> dict[str, Any]:
     """Greedy success on the trainer's test episodes."""
-    from trainer.grpo import EVAL_SEED
+    from cgym.trainer.grpo import EVAL_SEED
 
     return _evaluate(model, setting, split="test", episodes=setting.eval_episodes, seed=EVAL_SEED)[0]
 
@@ -155,7 +155,7 @@ def parse_arm(text: str) -> tuple[str, dict[str, Any]]:
 def headroom(model: str, setting: Setting, samples: int) -> dict[str, Any]:
     """Greedy success, and pass@`samples` at the training temperature with the test tasks split
     by how many of the tries solved them (never / sometimes / always), on the test episodes."""
-    from trainer.grpo import EVAL_SEED
+    from cgym.trainer.grpo import EVAL_SEED
 
     test = {"split": "test", "episodes": setting.eval_episodes, "seed": EVAL_SEED}
     sampled, results = _evaluate(model, setting, temperature=setting.temperature, samples=samples, **test)
@@ -179,8 +179,8 @@ def pool_success(model: str, setting: Setting) -> float:
 
 
 def _evaluate(model: str, setting: Setting, *, split: str, episodes: int, seed: int, temperature: float = 0.0, samples: int = 1, batch_size: int = 128) -> tuple[dict[str, Any], list[Any]]:
-    from agents.evaluate import EvalConfig, evaluate
-    from agents.hf import HFPolicy
+    from cgym.agents.eval.evaluate import EvalConfig, evaluate
+    from cgym.agents.local.hf import HFPolicy
 
     policy = HFPolicy.from_pretrained(model, temperature=temperature, max_new_tokens=96, seed=0)
     config = EvalConfig(setting.env_id, {"difficulty": setting.difficulty, "split": split}, episodes=episodes, seed=seed, samples=samples, batch_size=batch_size)
@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", type=Path, default=Path("runs/critique_vs_grpo.json"))
     parser.add_argument("--plot", type=Path, default=Path("runs/critique_vs_grpo.png"))
     args = parser.parse_args(argv)
-    import envs  # noqa: F401
+    from cgym import envs  # noqa: F401
 
     setting = Setting(
         args.model, args.difficulty, args.budget, args.eval_every, args.eval_episodes, args.group_size, args.tasks_per_step, args.out,
@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> None:
         plan = [step for seed in args.seeds for step in [(SFT_ARM, {}, seed), *(p for p in plan if p[2] == seed and p[0] in arms)]] + [
             p for p in plan if p[0] not in arms
         ]
-    result: dict[str, Any] = {"command": "python -m benchmarks.critique_vs_grpo " + " ".join(sys.argv[1:] if argv is None else argv), "setting": {k: str(v) for k, v in vars(setting).items()}, "arms": arms}
+    result: dict[str, Any] = {"command": "python -m cgym.benchmarks.critique_vs_grpo " + " ".join(sys.argv[1:] if argv is None else argv), "setting": {k: str(v) for k, v in vars(setting).items()}, "arms": arms}
     if args.headroom:
         result["start"] = headroom(args.model, setting, args.headroom)
     start = test_success(args.model, setting)["success_rate"] if args.eval_every == 0 else None

@@ -1,6 +1,6 @@
 """Where a sampling step's time goes on this CPU: prefill and decode, per KV cache and dtype.
 
-    python -m benchmarks.decode_step --model smollm2-135m --batch 32 --prompt 850 --json PATH
+    python -m cgym.benchmarks.decode_step --model smollm2-135m --batch 32 --prompt 850 --json PATH
 
 Runs one batch-1 prefill of a shared prompt, copies its keys/values to `--batch` rows and times
 `--steps` decode steps, for transformers' `DynamicCache` (a `torch.cat` per step) and our
@@ -16,11 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from cgym.agents.local.kv_cache import growing_cache
+from cgym.agents.pretrained import resolve_model
+from cgym.benchmarks.output import emit
 from transformers import AutoModelForCausalLM, DynamicCache
-
-from agents.kv_cache import growing_cache
-from agents.pretrained import resolve_model
-from benchmarks.output import emit
 
 
 def decode_ms(model: Any, cache: Any, batch: int, prompt: int, steps: int) -> float:

@@ -1,7 +1,7 @@
 """Episodes per second when env steps wait on I/O: ApiReport with latency injected into every
 request, its envs stepped one after another or concurrently (`run_episodes(..., workers=N)`).
 
-Usage: python -m benchmarks.env_concurrency --json benchmarks/results/env_concurrency.json
+Usage: python -m cgym.benchmarks.env_concurrency --json benchmarks/results/env_concurrency.json
 
 The scripted oracle plays, so the policy costs next to nothing and the wall time is the envs'.
 At each batch size (concurrent episodes) the sequential and the concurrent run must give the same
@@ -16,16 +16,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from agents.episodes import EpisodeResult, run_episodes
-from agents.scripted import ScriptedPolicy
-from benchmarks.output import emit
+from cgym.agents.eval.episodes import EpisodeResult, run_episodes
+from cgym.agents.scripted import ScriptedPolicy
+from cgym.benchmarks.output import emit
 
 ENV = "cgym/ApiReport-v0"
 
 
 def timed(env_kwargs: dict[str, Any], episodes: int, batch_size: int, workers: int) -> tuple[float, list[EpisodeResult]]:
     """Wall seconds and results of `episodes` oracle episodes, `batch_size` at once."""
-    from envs.registration import make
+    from cgym.envs.registration import make
 
     policy = ScriptedPolicy("oracle", env_id=ENV)
     start = time.perf_counter()
@@ -53,7 +53,7 @@ def compare(env_kwargs: dict[str, Any], episodes: int, batch_size: int) -> dict[
 
 
 def run(*, difficulty: str, latency_ms: float, episodes: int, concurrency: list[int]) -> dict[str, Any]:
-    import envs  # noqa: F401 - registers the built-in envs
+    from cgym import envs  # noqa: F401 - registers the built-in envs
 
     kwargs: dict[str, Any] = {"difficulty": difficulty, "latency_s": latency_ms / 1000}
     instant = kwargs | {"latency_s": 0.0}

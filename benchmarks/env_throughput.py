@@ -1,6 +1,6 @@
 """Env overhead per step, excluding the agent: replay oracle actions and time `env.step` alone.
 
-Usage: python -m benchmarks.env_throughput --env cgym/ApiReport-v0 --json out.json
+Usage: python -m cgym.benchmarks.env_throughput --env cgym/ApiReport-v0 --json out.json
 (also `cgym bench env`). For the API env it also times a bare respx-mocked httpx request,
 so the env's own overhead shows.
 """
@@ -14,10 +14,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from agents.base import Conversation
-from agents.scripted import ScriptedPolicy
-from benchmarks.output import emit
-from envs.registration import make
+from cgym.agents.base import Conversation
+from cgym.agents.scripted import ScriptedPolicy
+from cgym.benchmarks.output import emit
+from cgym.envs.registration import make
 
 
 def record_actions(env_id: str, env_kwargs: dict[str, Any], seeds: list[int]) -> dict[int, list[str]]:
@@ -56,8 +56,8 @@ def time_steps(env_id: str, env_kwargs: dict[str, Any], actions: dict[int, list[
 
 def bare_request_us(samples: int = 2000) -> float:
     """Median cost of one respx-mocked httpx GET against the shop service."""
-    from mock_apis.shop.data import generate_shop
-    from mock_apis.shop.service import ShopService
+    from cgym.mock_apis.shop.data import generate_shop
+    from cgym.mock_apis.shop.service import ShopService
 
     service = ShopService(generate_shop(0))
     name = service.data.customers[0].name
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--episodes", type=int, default=300)
     parser.add_argument("--json", type=Path, help="write the result here")
     args = parser.parse_args(argv)
-    import envs  # noqa: F401 - registers the built-in envs
+    from cgym import envs  # noqa: F401 - registers the built-in envs
 
     result = run(args.env, json.loads(args.env_kwargs), episodes=args.episodes)
     emit(result, args.json)

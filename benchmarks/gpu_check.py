@@ -1,6 +1,6 @@
 """The GPU paths of the trainer, checked for real, for whoever has a CUDA GPU (CI has none).
 
-    python -m benchmarks.gpu_check --model smollm2-135m --json benchmarks/results/gpu_check.json
+    python -m cgym.benchmarks.gpu_check --model smollm2-135m --json benchmarks/results/gpu_check.json
 
 Each check runs on its own and reports ok / skipped (with why) / failed (with the error), so one
 missing piece does not hide the others:
@@ -32,8 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from benchmarks.output import emit
+from cgym.benchmarks.output import emit
 
 ENV_ID = "cgym/ApiReport-v0"
 
@@ -73,7 +72,7 @@ def _run(check: Callable[[], dict[str, Any]]) -> dict[str, Any]:
 
 
 def _config(model: str, out: Path, **fields: Any) -> Any:
-    from trainer.config import TrainConfig
+    from cgym.trainer.config import TrainConfig
 
     base = TrainConfig(
         env_id=ENV_ID, env_kwargs={"difficulty": "easy"}, model=model, out=str(out), steps=2, group_size=4,
@@ -86,7 +85,7 @@ def _train(model: str, out: Path, *, served: str) -> dict[str, Any]:
     _need_cuda()
     if served:
         _need_vllm()
-    from trainer.grpo import train
+    from cgym.trainer.grpo import train
 
     summary = train(_config(model, out, served=served))
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -103,9 +102,9 @@ def _train(model: str, out: Path, *, served: str) -> dict[str, Any]:
 def _vllm_push(model: str, out: Path) -> dict[str, Any]:
     _need_cuda()
     _need_vllm()
-    from agents.base import Conversation
-    from agents.hf import HFPolicy
-    from agents.vllm_sampler import VLLMSampler
+    from cgym.agents.base import Conversation
+    from cgym.agents.local.hf import HFPolicy
+    from cgym.trainer.samplers.vllm_sampler import VLLMSampler
 
     policy = HFPolicy.from_pretrained(model, device="cuda", dtype=torch.float32)
     sampler = VLLMSampler(policy.tokenizer, policy.model.name_or_path, temperature=0.0, max_new_tokens=16)

@@ -1,7 +1,7 @@
 """Where does SFT leave room for RL? A short SFT on each split, then greedy success and pass@K.
 
 Usage:
-    python -m benchmarks.headroom --model smollm2-135m --demos 96 --tasks 24 --samples 8 \\
+    python -m cgym.benchmarks.headroom --model smollm2-135m --demos 96 --tasks 24 --samples 8 \\
         --json benchmarks/results/headroom_smollm2.json
 
 For each split (ApiReport medium and hard, SqlQuery easy, medium and hard by default; `--split
@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.critique_vs_grpo import ENVS, task_split
+from cgym.benchmarks.critique_vs_grpo import ENVS, task_split
 
 SPLITS = ("api:medium", "api:hard", "sql:easy", "sql:medium", "sql:hard")
 
@@ -40,14 +40,13 @@ def measure_split(env_id: str, difficulty: str, args: argparse.Namespace, save: 
     """SFT on `args.demos` train demos of the split (or, with `--reuse-sft`, the checkpoint a
     previous run left), then the greedy and sampled test evals; `save` gets the row after each
     step, so a run that dies while sampling keeps its SFT and greedy figures."""
+    from cgym.agents.demos import demonstrations
+    from cgym.agents.eval.evaluate import EvalConfig, evaluate
+    from cgym.agents.eval.progress import episode_progress
+    from cgym.agents.local.hf import HFPolicy
+    from cgym.trainer.grpo import EVAL_SEED  # the trainer's test seeds
+    from cgym.trainer.sft import sft
     from rich.console import Console
-
-    from agents.demos import demonstrations
-    from agents.evaluate import EvalConfig, evaluate
-    from agents.hf import HFPolicy
-    from trainer.grpo import EVAL_SEED  # the trainer's test seeds
-    from trainer.progress import episode_progress
-    from trainer.sft import sft
 
     kwargs = {"difficulty": difficulty}
     out = args.out / f"{env_id.split('/')[1]}-{difficulty}"
@@ -98,15 +97,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--samples", type=int, default=8, help="K, for pass@K")
     parser.add_argument("--temperature", type=float, default=1.0, help="the training temperature")
     parser.add_argument("--max-new-tokens", type=int, default=96)
-    parser.add_argument("--batch-size", type=int, default=64, help="episodes run at once (the policy samples them in chunks of similar length within its memory budget, `agents.batching`)")
+    parser.add_argument("--batch-size", type=int, default=64, help="episodes run at once (the policy samples them in chunks of similar length within its memory budget, `agents.local.batching`)")
     parser.add_argument("--reuse-sft", action="store_true", help="skip a split's SFT where --out already holds its checkpoint")
     parser.add_argument("--out", type=Path, default=Path("runs/headroom"))
     parser.add_argument("--json", type=Path, default=Path("runs/headroom.json"))
     args = parser.parse_args(argv)
-    import envs  # noqa: F401
+    from cgym import envs  # noqa: F401
 
     splits = args.split or [parse_split(s) for s in SPLITS]
-    result: dict[str, Any] = {"command": "python -m benchmarks.headroom " + " ".join(sys.argv[1:] if argv is None else argv), "model": args.model, "splits": []}
+    result: dict[str, Any] = {"command": "python -m cgym.benchmarks.headroom " + " ".join(sys.argv[1:] if argv is None else argv), "model": args.model, "splits": []}
     args.json.parent.mkdir(parents=True, exist_ok=True)
 
     def save(row: dict[str, Any]) -> None:  # the finished splits and this one, so far

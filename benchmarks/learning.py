@@ -3,11 +3,11 @@
 The measurement protocol: every arm (GRPO, RFT, Critique-GRPO, ...) starts from the same model,
 trains for the same wall-clock budget (or the same number of steps) under each seed, and is then
 evaluated greedily on the same test episodes as the start. Differences are paired episode by
-episode and pooled over seeds, with a two-level bootstrap interval (`trainer.paired`); a PNG shows
+episode and pooled over seeds, with a two-level bootstrap interval (`agents.eval.paired`); a PNG shows
 test success against training seconds for every arm.
 
 Usage (the CPU defaults: LoRA rank 16 on every linear layer, lr 2e-4, temperature 0.7, 2 tasks x 8):
-    python -m benchmarks.learning --start runs/sft --env cgym/SqlQuery-v0 --env-kwargs '{"difficulty": "easy"}' \\
+    python -m cgym.benchmarks.learning --start runs/sft --env cgym/SqlQuery-v0 --env-kwargs '{"difficulty": "easy"}' \\
         --arm grpo --arm rft --seeds 0 1 2 --budget 600 --eval-episodes 100 \\
         --json benchmarks/results/learning_sql_easy.json --plot benchmarks/results/learning_sql_easy.png
     --arm NAME takes a built-in arm (grpo, rft, critique_step, critique_every_group) or NAME=JSON
@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.critique_vs_grpo import parse_arm
+from cgym.benchmarks.critique_vs_grpo import parse_arm
 
 EVAL_SEED = 10_000
 DEFAULTS: dict[str, Any] = {"lora_r": 16, "learning_rate": 2e-4, "temperature": 0.7, "group_size": 8, "tasks_per_step": 2}
@@ -57,8 +57,8 @@ class Setting:
 
 def run_arm(name: str, overrides: dict[str, Any], seed: int, setting: Setting) -> dict[str, Any]:
     """Train one arm under one seed from the start, then evaluate its checkpoints and final model."""
-    from trainer.config import TrainConfig
-    from trainer.grpo import train
+    from cgym.trainer.config import TrainConfig
+    from cgym.trainer.grpo import train
 
     out = setting.out / f"{name}-seed{seed}"
     config = TrainConfig(**{
@@ -90,8 +90,8 @@ def _ratio(part: float, whole: float) -> float | None:
 
 def test_outcomes(model: str, setting: Setting) -> tuple[float, list[int]]:
     """Greedy success rate and per-episode outcomes (1/0) on the fixed test episodes."""
-    from agents.evaluate import EvalConfig, evaluate
-    from agents.hf import HFPolicy
+    from cgym.agents.eval.evaluate import EvalConfig, evaluate
+    from cgym.agents.local.hf import HFPolicy
 
     policy = HFPolicy.from_pretrained(model, temperature=0.0, max_new_tokens=setting.train.get("max_new_tokens", 96), seed=0)
     config = EvalConfig(setting.env_id, {**setting.env_kwargs, "split": "test"}, episodes=setting.eval_episodes, seed=EVAL_SEED, batch_size=100)
@@ -101,7 +101,7 @@ def test_outcomes(model: str, setting: Setting) -> tuple[float, list[int]]:
 
 def paired_table(start: list[int], runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Every arm against the start, and every pair of arms, on the seeds both ran."""
-    from trainer.paired import paired_difference
+    from cgym.agents.eval.paired import paired_difference
 
     by_arm: dict[str, dict[int, list[int]]] = {}
     for run in runs:
@@ -177,12 +177,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if not args.budget and args.steps == 10_000:
         parser.error("give --budget SECONDS (equal wall clock) or --steps N")
-    import envs  # noqa: F401
+    from cgym import envs  # noqa: F401
 
     arms = resolve_arms(args.arm)
     setting = Setting(args.start, args.env, args.env_kwargs, tuple(args.seeds), args.budget, args.steps, args.eval_episodes, args.eval_every, args.out, DEFAULTS | args.train)
-    shown = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(setting).items()}
-    result: dict[str, Any] = {"command": "python -m benchmarks.learning " + " ".join(sys.argv[1:] if argv is None else argv), "setting": shown, "arms": arms, "runs": []}
+    shown = json.loads(json.dumps(asdict(setting), default=str))  # as the JSON holds it, so a resume can compare
+    result: dict[str, Any] = {"command": "python -m cgym.benchmarks.learning " + " ".join(sys.argv[1:] if argv is None else argv), "setting": shown, "arms": arms, "runs": []}
     if args.resume and args.json.exists():
         previous = json.loads(args.json.read_text())
         if previous.get("setting") == shown:
@@ -196,6 +196,7 @@ def main(argv: list[str] | None = None) -> None:
             continue
         result["runs"].append(run_arm(name, overrides, seed, setting))
         _save(result, args)
+    _save(result, args)
     print(json.dumps({k: result[k] for k in ("table", "paired")}, indent=2))
 
 

@@ -1,7 +1,7 @@
 """Can a policy act on critiques? Refine its own failures once per critique style and count fixes.
 
 Usage:
-    python -m benchmarks.refine_success --policy hf:quickstart/sft --env-kwargs '{"difficulty": "easy"}' \\
+    python -m cgym.benchmarks.refine_success --policy hf:quickstart/sft --env-kwargs '{"difficulty": "easy"}' \\
         --episodes 100 --json runs/refine_success.json
 
 Critique-GRPO only rescues a group when a refinement succeeds. This runs the policy on the test
@@ -17,11 +17,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-from agents.base import Policy
-from agents.critics import run_refinements
-from agents.episodes import EpisodeResult, run_episodes
-from benchmarks.output import emit
-from envs.registration import make
+from cgym.agents.base import Policy
+from cgym.agents.critics import run_refinements
+from cgym.agents.eval.episodes import EpisodeResult, run_episodes
+from cgym.benchmarks.output import emit
+from cgym.envs.registration import make
 
 STYLES = ("indicative", "ground_truth", "step")
 
@@ -59,8 +59,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=10_000, help="first test seed (the trainer's evaluation seeds by default)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
-    import envs  # noqa: F401
-    from agents.spec import SamplingOptions, load_policy
+    from cgym.agents.options import SamplingOptions
+    from cgym.agents.spec import load_policy
+
+    from cgym import envs  # noqa: F401
 
     policy = load_policy(args.policy, SamplingOptions(temperature=0.0, max_new_tokens=96))
     env_kwargs = {**args.env_kwargs, "split": "test"}

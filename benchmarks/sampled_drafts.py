@@ -1,9 +1,9 @@
 """A sampled eval with and without prompt-lookup drafts, alternated in one process.
 
-    python -m benchmarks.sampled_drafts --model runs/sft_easy --episodes 64 --rounds 2 \\
+    python -m cgym.benchmarks.sampled_drafts --model runs/sft_easy --episodes 64 --rounds 2 \\
         --json benchmarks/results/sampled_drafts_smollm2.json
 
-Sampled turns check their drafts by speculative sampling (`agents.sampling.accept_drafts`), so
+Sampled turns check their drafts by speculative sampling (`agents.local.sampling.accept_drafts`), so
 both arms draw from the same distribution but from different random numbers: their episodes
 differ. Compare the seconds per sampled id (and the success rates, which should agree within
 sampling noise), not the wall times alone.
@@ -17,13 +17,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from agents.lookup import LOOKUP_TOKENS
-from benchmarks.output import emit
+from cgym.agents.local.lookup import LOOKUP_TOKENS
+from cgym.benchmarks.output import emit
 
 
 def sampled_eval(model: Any, tokenizer: Any, env_id: str, env_kwargs: dict[str, Any], episodes: int, draft_tokens: int, seed: int) -> dict[str, Any]:
-    from agents.evaluate import EvalConfig, evaluate
-    from agents.hf import HFPolicy
+    from cgym.agents.eval.evaluate import EvalConfig, evaluate
+    from cgym.agents.local.hf import HFPolicy
 
     policy = HFPolicy(model, tokenizer, temperature=1.0, seed=seed, draft_tokens=draft_tokens)
     start = time.perf_counter()
@@ -42,8 +42,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=2, help="alternations of the two arms")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
-    import envs  # noqa: F401 - registers the built-in envs
-    from agents.hf import HFPolicy
+    from cgym.agents.local.hf import HFPolicy
+
+    from cgym import envs  # noqa: F401 - registers the built-in envs
 
     loaded = HFPolicy.from_pretrained(args.model)
     runs = [

@@ -1,6 +1,6 @@
 """Time per GRPO step: our trainer vs TRL's `GRPOTrainer`, same model, task and batch, one process.
 
-Usage: python -m benchmarks.trainer_vs_trl --steps 5 --json out.json (also `cgym bench trainer
+Usage: python -m cgym.benchmarks.trainer_vs_trl --steps 5 --json out.json (also `cgym bench trainer
 --vs trl`). Needs the optional `bench` extra (`pip install 'critique-gym[bench]'`: trl, datasets).
 
 Both sides train a copy of the same tiny model (built here, or `--model DIR`) on single-turn
@@ -37,13 +37,12 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 import torch
-
-from agents.precision import compute_dtype
-from agents.pretrained import resolve_model
-from benchmarks.output import emit
-from envs.registration import make
-from trainer.embedded import TINY_SIZES
-from trainer.losses import LossType, check_loss_type
+from cgym.agents.local.precision import compute_dtype
+from cgym.agents.pretrained import resolve_model
+from cgym.benchmarks.output import emit
+from cgym.envs.registration import make
+from cgym.trainer.embedded import TINY_SIZES
+from cgym.trainer.losses import LossType, check_loss_type
 
 ENV_ID = "cgym/SqlQuery-v0"
 ENV_KWARGS: dict[str, Any] = {"difficulty": "easy", "max_turns": 1}
@@ -90,8 +89,8 @@ class BenchConfig:
 # -- shared inputs --------------------------------------------------------------------------------
 def build_model(out: Path, config: BenchConfig) -> Path:
     """The embedded tiny model (random init), tokenizer trained on SQL and API transcripts."""
-    from agents.demos import corpus, demonstrations
-    from agents.tiny import build_tiny
+    from cgym.agents.demos import corpus, demonstrations
+    from cgym.trainer.tiny import build_tiny
 
     demos = demonstrations(ENV_ID, {"difficulty": "easy"}, episodes=config.demo_episodes, seed=config.seed)
     demos += demonstrations("cgym/ApiReport-v0", {"difficulty": "easy"}, episodes=max(config.demo_episodes // 4, 1), seed=config.seed)
@@ -129,7 +128,7 @@ def prompt_rows(seeds: list[int], tokenizer: Any) -> list[dict[str, Any]]:
     TRL renders conversational prompts with its own `tools` (callables it then executes in a
     tool loop), so the prompt goes in pre-rendered, exactly as our ledger renders it.
     """
-    from agents.chat import ChatEncoder
+    from cgym.agents.ledger import ChatEncoder
 
     encoder, env, rows = ChatEncoder(tokenizer), train_env(), []
     for seed in seeds:
@@ -141,7 +140,7 @@ def prompt_rows(seeds: list[int], tokenizer: Any) -> list[dict[str, Any]]:
 
 def same_prompt_ids(rows: list[dict[str, Any]], tokenizer: Any) -> bool:
     """Our ledger's prompt ids equal the ids TRL gets from `processing_class(text=prompts)`."""
-    from agents.chat import ChatEncoder
+    from cgym.agents.ledger import ChatEncoder
 
     encoder = ChatEncoder(tokenizer)
     texts = [r["prompt"] for r in rows]
@@ -168,8 +167,8 @@ def env_reward(tokens: list[int]) -> Callable[..., list[float]]:
 
 # -- the two trainers -------------------------------------------------------------------------
 def our_state(config: BenchConfig, model_dir: Path, out: Path, seen: list[int | None]) -> Any:
-    from trainer.config import TrainConfig
-    from trainer.grpo import setup
+    from cgym.trainer.config import TrainConfig
+    from cgym.trainer.grpo import setup
 
     train_config = TrainConfig(
         env_id=ENV_ID, env_kwargs=ENV_KWARGS, model=str(model_dir), out=str(out),
@@ -209,9 +208,8 @@ def trl_trainer(config: BenchConfig, model_dir: Path, out: Path, rows: list[dict
 
 def alternate(ours: Any) -> Any:
     """A TRL callback that times each TRL optimizer step, then runs and times one of ours."""
+    from cgym.trainer.grpo import train_step
     from transformers import TrainerCallback
-
-    from trainer.grpo import train_step
 
     class Alternate(TrainerCallback):
         def __init__(self) -> None:
@@ -309,7 +307,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--trl-bf16", action="store_true", help="give TRL its bf16 option (autocast on CPU)")
     parser.add_argument("--json", type=Path, help="write the result here")
     args = parser.parse_args(argv)
-    import envs  # noqa: F401 - registers the built-in envs
+    from cgym import envs  # noqa: F401 - registers the built-in envs
 
     result = run(
         steps=args.steps, model=args.model, group_size=args.group_size, tasks_per_step=args.tasks_per_step,

@@ -18,14 +18,14 @@ from typing import Any, NoReturn
 
 from rich.markup import escape
 
-from agents.evaluate import EvalConfig
-from agents.spec import SamplingOptions
 from cgym import commands
+from cgym.agents.eval.evaluate import EvalConfig
+from cgym.agents.options import SamplingOptions
 from cgym.commands import UsageError, err_console
+from cgym.envs.errors import CgymError
 from cgym.options import COUNT, NATURAL, NON_NEGATIVE, POSITIVE, SHARE, TOP_P, add_config_options, bounded, field_docs, json_object
-from envs.errors import CgymError
-from trainer.config import TrainConfig, env_kwargs_for
-from trainer.quickstart import QuickstartPlan
+from cgym.trainer.config import TrainConfig, env_kwargs_for
+from cgym.trainer.quickstart import QuickstartPlan
 
 SAMPLING_TYPES = {"temperature": NON_NEGATIVE, "top_p": TOP_P, "max_new_tokens": COUNT}
 POLICY_HELP = "policy spec: scripted:<agent>, hf:<dir-or-hub-name>, openai:<model>@<base_url>, vllm:<name>, py:<module>:<callable>, guarded:<spec>, prompted:<spec>"
@@ -66,7 +66,7 @@ def _check_env(args: argparse.Namespace) -> None:
     """Build the env once, so a bad --env-kwargs value stops the command before a model loads."""
     if getattr(args, "env_kwargs", None) is None or getattr(args, "env", None) is None:
         return
-    from envs import make
+    from cgym.envs import make
 
     env_ids = args.env if isinstance(args.env, list) else [args.env]  # train's --env repeats
     for env_id in env_ids:

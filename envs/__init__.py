@@ -4,38 +4,38 @@ Importing this package registers the built-in envs with Gymnasium under ``cgym/`
 the ``cgym.envs`` plugins, so their ids work with `gymnasium.make` too::
 
     import gymnasium as gym
-    import envs
+    from cgym import envs
 
     env = gym.make("cgym/ApiReport-v0", difficulty="medium")
 """
 
 from __future__ import annotations
 
-from envs.core import AgentEnv, ResetNeeded, SimpleTask, Task
-from envs.critique import CRITIQUE_STYLES, Critique, CritiqueStyle, render
-from envs.errors import CgymError, InvalidChoiceError, InvalidEnvKwargError, UnknownEnvError
-from envs.registration import EnvSpec, ScriptedAgentsError, load_plugins, make, register, registered
-from envs.rubric import Check, CheckResult, Rubric, Score
-from envs.tools import Tool, ToolError, ToolSchemaError
+from cgym.envs.core import AgentEnv, ResetNeeded, SimpleTask, Task
+from cgym.envs.critique import CRITIQUE_STYLES, Critique, CritiqueStyle, render
+from cgym.envs.errors import CgymError, InvalidChoiceError, InvalidEnvKwargError, UnknownEnvError
+from cgym.envs.registration import EnvSpec, ScriptedAgentsError, load_plugins, make, register, registered
+from cgym.envs.rubric import Check, CheckResult, Rubric, Score
+from cgym.envs.tools import Tool, ToolError, ToolSchemaError
 
 DIFFICULTIES = ("easy", "medium", "hard")
 SPLITS = ("train", "test")
 
 register(
     "cgym/ApiReport-v0",
-    "envs.api_report:ApiReportEnv",
+    "cgym.envs.api_report:ApiReportEnv",
     description="Call a mocked shop API (auth, search, paginated orders, faults), then write a JSON report.",
-    agents="agents.scripted.api_report:FAMILY",
+    agents="cgym.agents.scripted.api_report:FAMILY",
 )
 register(
     "cgym/SqlQuery-v0",
-    "envs.sql:SqlQueryEnv",
+    "cgym.envs.sql:SqlQueryEnv",
     description="Answer questions about a SQLite database (shop, HR, flights) with one SQL query; execution match.",
-    agents="agents.scripted.sql:FAMILY",
+    agents="cgym.agents.scripted.sql:FAMILY",
 )
 register(
     "openenv/Remote-v0",
-    "envs.integrations.openenv:RemoteEnv",
+    "cgym.envs.integrations.openenv:RemoteEnv",
     description="An env served by `cgym serve` (OpenEnv, over WebSocket); pass its url=, e.g. 'http://127.0.0.1:8000'.",
 )
 

@@ -24,14 +24,13 @@ from typing import Any, ClassVar, Protocol
 
 import gymnasium as gym
 import numpy as np
+from cgym.envs.critique import Critique, CritiqueStyle, render
+from cgym.envs.episode import Episode, StepRecord, ToolResult
+from cgym.envs.errors import CgymError, InvalidChoiceError, check_choice, did_you_mean
+from cgym.envs.rubric import Rubric, Score
+from cgym.envs.toolcall import ParsedTurn, ParseError, ToolCall, parse_turn
+from cgym.envs.tools import Tool, ToolError
 from gymnasium.spaces import Text
-
-from envs.critique import Critique, CritiqueStyle, render
-from envs.episode import Episode, StepRecord, ToolResult
-from envs.errors import CgymError, InvalidChoiceError, check_choice, did_you_mean
-from envs.rubric import Rubric, Score
-from envs.toolcall import ParsedTurn, ParseError, ToolCall, parse_turn
-from envs.tools import Tool, ToolError
 
 CHARSET = frozenset(string.printable)
 _OUTSIDE_CHARSET = re.compile(f"[^{re.escape(string.printable)}]")

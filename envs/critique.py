@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
-    from envs.episode import Episode
+    from cgym.envs.episode import Episode
 
 CritiqueStyle = Literal["indicative", "ground_truth", "step"]
 CRITIQUE_STYLES: tuple[CritiqueStyle, ...] = ("indicative", "ground_truth", "step")

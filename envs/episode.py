@@ -6,8 +6,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from envs.critique import Critique
-from envs.toolcall import ToolCall
+from cgym.envs.critique import Critique
+from cgym.envs.toolcall import ToolCall
 
 
 @dataclass(frozen=True)

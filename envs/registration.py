@@ -9,7 +9,7 @@ only when a scripted policy or the audit asks for it::
 
 Third-party packages add theirs through the entry-point group ``cgym.envs``: each entry point
 names a callable that calls `register` (or a module whose import does). They load on
-``import envs``::
+``import cgym.envs``::
 
     [project.entry-points."cgym.envs"]
     myorg = "myorg_envs:register_all"
@@ -27,9 +27,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import gymnasium as gym
+from cgym.envs.errors import CgymError, InvalidEnvKwargError, UnknownEnvError, did_you_mean
 from gymnasium.envs.registration import load_env_creator
-
-from envs.errors import CgymError, InvalidEnvKwargError, UnknownEnvError, did_you_mean
 
 ENTRY_POINT_GROUP = "cgym.envs"
 _ID = re.compile(r"^(?:[\w.-]+/)?[\w.-]+-v\d+$")
@@ -133,9 +132,9 @@ def _check_kwargs(env_id: str, kwargs: dict[str, Any]) -> None:
 def load_plugins() -> None:
     """Import every ``cgym.envs`` entry point once; a broken plugin warns instead of failing.
 
-    `import envs` calls this, last. Import cycles are safe both ways: a plugin that imports
+    `import cgym.envs` calls this, last. Import cycles are safe both ways: a plugin that imports
     `envs` while `envs` loads it finds every name defined and this call already running; a
-    plugin imported first, whose own ``import envs`` lands here, is still half-imported, so it
+    plugin imported first, whose own ``import cgym.envs`` lands here, is still half-imported, so it
     is loaded by the next call (`make`, `registered`, ...) once its import has finished.
     """
     global _plugins_loaded, _plugins_loading

@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from envs.critique import Critique
-from envs.episode import Episode
+from cgym.envs.critique import Critique
+from cgym.envs.episode import Episode
 
 CRASH_SCORE = -1.0  # as low as any built-in check's failure: crashing a check never pays
 

@@ -36,10 +36,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Union, get_args, get_origin
 
 import jsonschema
+from cgym.envs.errors import CgymError, did_you_mean
 from jsonschema.exceptions import ValidationError
 from jsonschema.protocols import Validator
-
-from envs.errors import CgymError, did_you_mean
 
 _JSON_TYPES: dict[type, str] = {str: "string", int: "integer", float: "number", bool: "boolean", dict: "object", list: "array"}
 _TYPE_NAMES = ("array", "boolean", "integer", "null", "number", "object", "string")

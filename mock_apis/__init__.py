@@ -6,7 +6,7 @@ by an env, without patching httpx globally. This package depends on neither `env
 
 from __future__ import annotations
 
-from mock_apis import shop
-from mock_apis.faults import FAULT_KINDS, Fault, FaultKind, FaultPlan, faulty_response
+from cgym.mock_apis import shop
+from cgym.mock_apis.faults import FAULT_KINDS, Fault, FaultKind, FaultPlan, faulty_response
 
 __all__ = ["FAULT_KINDS", "Fault", "FaultKind", "FaultPlan", "faulty_response", "shop"]

@@ -5,8 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
-from agents.precision import DTYPE_ENV
+from cgym.agents.local.precision import DTYPE_ENV
 
 
 @pytest.fixture(autouse=True)
@@ -18,8 +17,8 @@ def fp32_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture(scope="session")
 def tiny_chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A very small model whose tokenizer knows the env's text (built from scripted transcripts)."""
-    from agents.demos import corpus, demonstrations
-    from agents.tiny import build_tiny
+    from cgym.agents.demos import corpus, demonstrations
+    from cgym.trainer.tiny import build_tiny
 
     demos = demonstrations("cgym/ApiReport-v0", {"difficulty": "easy"}, episodes=40, seed=0)
     return build_tiny(tmp_path_factory.mktemp("tiny-chat"), corpus(demos), vocab_size=600, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, max_positions=2048)

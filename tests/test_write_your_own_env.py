@@ -1,6 +1,6 @@
-"""The README's "Write your own env" example, run from the README itself as a user would run it.
+"""The docs' "Write your own env" example, run from the page itself as a user would run it.
 
-The example module is cut out of README.md, installed as a plugin (a dist-info with a `cgym.envs`
+The example module is cut out of docs/writing-an-env.md, installed as a plugin (a dist-info with a `cgym.envs`
 entry point on PYTHONPATH), then checked with Gymnasium's `check_env` and driven through the real
 `cgym` commands: the scripted oracle, the audit, and a `py:module:Callable` policy.
 """
@@ -21,9 +21,9 @@ EXAMPLE_LINES = 60  # the issue's promise: a new env in at most this many lines
 
 
 def readme_example() -> str:
-    section = REPO.joinpath("README.md").read_text().split("### Write your own env", 1)[1]
+    section = REPO.joinpath("docs", "writing-an-env.md").read_text().split("# Write your own env", 1)[1]
     found = re.search(r"```python\n(.*?)```", section, re.DOTALL)
-    assert found, "README.md: no python block under 'Write your own env'"
+    assert found, "docs/writing-an-env.md: no python block under 'Write your own env'"
     return found.group(1)
 
 

@@ -21,9 +21,8 @@ from typing import Any
 
 import numpy as np
 import torch
-
-from agents.pretrained import sha256_of
-from envs.errors import CgymError
+from cgym.agents.pretrained import sha256_of
+from cgym.envs.errors import CgymError
 
 STATE_FILE = "trainer_state.pt"
 MANIFEST = "manifest.json"

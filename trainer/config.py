@@ -7,8 +7,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
-from agents.spec import SERVED_ENGINES, SamplingOptions, ServedEngine
-from envs.errors import ConfigError, did_you_mean
+from cgym.agents.options import SamplingOptions
+from cgym.agents.spec import SERVED_ENGINES, ServedEngine
+from cgym.envs.errors import ConfigError, did_you_mean
 
 LossType = Literal["grpo", "bnpo", "dapo", "dr_grpo"]
 LOSS_TYPES: tuple[str, ...] = get_args(LossType)

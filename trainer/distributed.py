@@ -19,11 +19,10 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+from cgym.envs.errors import ConfigError
+from cgym.trainer.config import LossType
+from cgym.trainer.losses import token_normalizer
 from torch import Tensor
-
-from envs.errors import ConfigError
-from trainer.config import LossType
-from trainer.losses import token_normalizer
 
 BUCKET_ELEMENTS = 1 << 24  # gradients all-reduced per ~64 MB of fp32
 # The other ranks wait at a barrier while rank 0 evaluates or checkpoints; a CPU evaluation of

@@ -1,8 +1,8 @@
 """The embedded tiny model: a tokenizer trained on env text and a tiny Qwen2, built here.
 
 `cgym tiny` = train the BPE on scripted transcripts of every built-in env (~5 s), initialise the
-model, then pre-train it for a short while on synthetic drills (`agents.tiny.copy_drills` and
-`agents.tiny.lookup_drills`), so that SFT on demonstrations learns to copy names, ids and values
+model, then pre-train it for a short while on synthetic drills (`trainer.tiny.copy_drills` and
+`trainer.tiny.lookup_drills`), so that SFT on demonstrations learns to copy names, ids and values
 from the context within its few-minute budget instead of stalling on the prior (see `COPY_PRETRAIN`).
 """
 
@@ -10,13 +10,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from cgym.agents.demos import Demo, corpus, demonstrations
+from cgym.agents.pretrained import EMBEDDED_MODEL, publish_built
+from cgym.envs.registration import registered
+from cgym.trainer.sft import fit
+from cgym.trainer.tiny import build_tiny, copy_drills, lookup_drills
 from transformers import AutoTokenizer
-
-from agents.demos import Demo, corpus, demonstrations
-from agents.pretrained import EMBEDDED_MODEL, publish_built
-from agents.tiny import build_tiny, copy_drills, lookup_drills
-from envs.registration import registered
-from trainer.sft import fit
 
 # Two layers with a key/value head per query head: copy circuits form much faster than with 4
 # layers and 2 kv heads (short copy drills, ~60 s on 2 cores: loss 1.7 after 1,000 steps vs 4.2

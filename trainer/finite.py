@@ -10,8 +10,7 @@ from __future__ import annotations
 import math
 
 import torch
-
-from envs.errors import CgymError
+from cgym.envs.errors import CgymError
 
 
 class NonFiniteError(CgymError, FloatingPointError):

@@ -9,8 +9,8 @@ of whole groups; advantages, the loss normaliser and the metrics are global, and
 summed across ranks before each optimizer step (see `trainer.distributed`). Rank 0 writes the
 metrics and checkpoints and runs the evaluations. Several envs (`TrainConfig.envs`) mix in one
 run: each group's env is drawn by weight, and metrics and evaluations are reported per env. With
-`TrainConfig.served`, rollouts and refinements come from a server (`agents.served`) or an
-in-process vLLM engine (`agents.vllm_sampler`) that the trainer pushes its weights to; the update
+`TrainConfig.served`, rollouts and refinements come from a server (`trainer.samplers.served`) or an
+in-process vLLM engine (`trainer.samplers.vllm_sampler`) that the trainer pushes its weights to; the update
 and the evaluations stay with the trainer's model, on `TrainConfig.device`.
 """
 
@@ -29,28 +29,27 @@ from typing import Any, TypeVar
 import gymnasium as gym
 import numpy as np
 import torch
+from cgym.agents.critics import run_refinements
+from cgym.agents.eval.episodes import run_episodes
+from cgym.agents.eval.evaluate import EvalConfig, evaluate
+from cgym.agents.local.hf import HFPolicy
+from cgym.agents.local.lora import merged, with_lora
+from cgym.agents.local.precision import autocast
+from cgym.agents.local.sampling import MIN_SHARED_PREFIX, SharedHead, sequence_logprobs, shared_head, shared_prefix_len
+from cgym.agents.pretrained import resolve_model
+from cgym.envs.errors import ConfigError
+from cgym.envs.registration import make
+from cgym.trainer.checkpoint import latest_checkpoint, load_state, save_checkpoint
+from cgym.trainer.config import VLLM_IN_PROCESS, TrainConfig
+from cgym.trainer.distributed import World, check_divisible, close_world, global_normalizer, init_world, training_device
+from cgym.trainer.embedded import prepare_models
+from cgym.trainer.finite import check_finite
+from cgym.trainer.losses import policy_loss, rft_weights, unified_advantages
+from cgym.trainer.metrics import HackingMonitor, MetricsLog, Outcome, env_metrics, plot_curve, rollout_metrics
+from cgym.trainer.refine import rebase, sample_subset, select_refinements, should_refine
+from cgym.trainer.rollout import Batch, Trajectory, pack, slice_batch
+from cgym.trainer.samplers.served import PushedSampler, ServedPolicy
 from rich.console import Console
-
-from agents.critics import run_refinements
-from agents.episodes import run_episodes
-from agents.evaluate import EvalConfig, evaluate
-from agents.hf import HFPolicy
-from agents.lora import merged, with_lora
-from agents.precision import autocast
-from agents.pretrained import resolve_model
-from agents.sampling import MIN_SHARED_PREFIX, SharedHead, sequence_logprobs, shared_head, shared_prefix_len
-from agents.served import PushedSampler, ServedPolicy
-from envs.errors import ConfigError
-from envs.registration import make
-from trainer.checkpoint import latest_checkpoint, load_state, save_checkpoint
-from trainer.config import VLLM_IN_PROCESS, TrainConfig
-from trainer.distributed import World, check_divisible, close_world, global_normalizer, init_world, training_device
-from trainer.embedded import prepare_models
-from trainer.finite import check_finite
-from trainer.losses import policy_loss, rft_weights, unified_advantages
-from trainer.metrics import HackingMonitor, MetricsLog, Outcome, env_metrics, plot_curve, rollout_metrics
-from trainer.refine import rebase, sample_subset, select_refinements, should_refine
-from trainer.rollout import Batch, Trajectory, pack, slice_batch
 
 EnvFactory = Callable[[str], gym.Env]  # split -> env
 EVAL_SEED = 10_000
@@ -137,7 +136,7 @@ def _served(config: TrainConfig, policy: HFPolicy, step: int, world: World) -> P
         raise ConfigError(f"served rollouts run in one process (this run has {world.size}): drop --served or torchrun")
     served: PushedSampler
     if config.served == VLLM_IN_PROCESS:
-        from agents.vllm_sampler import VLLMSampler  # vLLM is optional: imported only when asked for
+        from cgym.trainer.samplers.vllm_sampler import VLLMSampler  # vLLM is optional: imported only when asked for
 
         served = VLLMSampler(policy.tokenizer, resolve_model(config.model_path), lora_r=config.lora_r, gpu_memory_utilization=config.vllm_memory, **asdict(config.sampling))
     else:
@@ -181,8 +180,8 @@ def rewind_metrics(path: Path, step: int) -> None:
 def _critic(config: TrainConfig) -> Any:
     if not config.critique.startswith("model:"):
         return None
-    from agents.critics import ModelCritic
-    from agents.spec import load_policy
+    from cgym.agents.critics import ModelCritic
+    from cgym.agents.spec import load_policy
 
     return ModelCritic(load_policy(config.critique.removeprefix("model:")))
 
@@ -528,7 +527,7 @@ def train(config: TrainConfig, *, make_env: EnvFactory | None = None, resume: bo
 
 
 def _train(config: TrainConfig, world: World, *, make_env: EnvFactory | None, resume: bool, console: Console) -> dict[str, Any]:
-    from trainer.progress import step_progress
+    from cgym.agents.eval.progress import step_progress
 
     state = setup(config, make_env=make_env, resume=resume, world=world)
     out = Path(config.out)

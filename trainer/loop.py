@@ -14,14 +14,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-
-from agents.episodes import run_episodes
-from agents.hf import HFPolicy
-from agents.sampling import sequence_logprobs
-from envs.registration import make
-from trainer.finite import check_finite
-from trainer.losses import LossType, group_advantages, policy_loss
-from trainer.rollout import Trajectory, pack
+from cgym.agents.eval.episodes import run_episodes
+from cgym.agents.local.hf import HFPolicy
+from cgym.agents.local.sampling import sequence_logprobs
+from cgym.envs.registration import make
+from cgym.trainer.finite import check_finite
+from cgym.trainer.losses import LossType, group_advantages, policy_loss
+from cgym.trainer.rollout import Trajectory, pack
 
 
 def sample(policy: HFPolicy, env_id: str, *, seed: int, n: int = 5, **env_kwargs: Any) -> list[Trajectory]:

@@ -9,10 +9,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from cgym.envs.errors import ConfigError, did_you_mean
+from cgym.trainer.config import ADVANTAGE_SCALES, LOSS_TYPES, AdvantageScale, LossType
 from torch import Tensor
-
-from envs.errors import ConfigError, did_you_mean
-from trainer.config import ADVANTAGE_SCALES, LOSS_TYPES, AdvantageScale, LossType
 
 
 def _check_choice(value: str, choices: tuple[str, ...], what: str) -> None:

@@ -11,8 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from trainer.rollout import Trajectory
+from cgym.trainer.rollout import Trajectory
 
 HACKING_THRESHOLD = 0.5
 HACKING_PATIENCE = 3

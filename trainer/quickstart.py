@@ -65,16 +65,16 @@ class QuickstartPlan:
 
 def run(out: Path, plan: QuickstartPlan = QuickstartPlan(), *, console: Console | None = None) -> dict[str, Any]:
     """Run every phase; returns the timings, every arm's figures and GRPO's paired gain."""
-    from agents.demos import demonstrations
-    from agents.evaluate import EvalConfig
-    from agents.hf import HFPolicy
-    from agents.pretrained import resolve_model
-    from trainer.compare import compare
-    from trainer.config import TrainConfig
-    from trainer.embedded import prepare_models
-    from trainer.grpo import train
-    from trainer.report import write_reports
-    from trainer.sft import sft
+    from cgym.agents.demos import demonstrations
+    from cgym.agents.eval.compare import compare
+    from cgym.agents.eval.evaluate import EvalConfig
+    from cgym.agents.eval.report import write_reports
+    from cgym.agents.local.hf import HFPolicy
+    from cgym.agents.pretrained import resolve_model
+    from cgym.trainer.config import TrainConfig
+    from cgym.trainer.embedded import prepare_models
+    from cgym.trainer.grpo import train
+    from cgym.trainer.sft import sft
 
     console = console or Console()
     out = Path(out)
@@ -137,7 +137,7 @@ def run(out: Path, plan: QuickstartPlan = QuickstartPlan(), *, console: Console 
 
 
 def _summary(result: dict[str, Any], timings: dict[str, float], plan: QuickstartPlan) -> dict[str, Any]:
-    from trainer.compare import paired_arms
+    from cgym.agents.eval.compare import paired_arms
 
     sft, trained = result["labels"][-2:]
     return {

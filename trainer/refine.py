@@ -11,8 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-
-from trainer.rollout import Trajectory
+from cgym.trainer.rollout import Trajectory
 
 __all__ = ["rebase", "sample_subset", "select_refinements", "should_refine"]
 

@@ -6,9 +6,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 import torch
+from cgym.agents.eval.episodes import EpisodeResult
 from torch import Tensor
-
-from agents.episodes import EpisodeResult
 
 
 @dataclass

@@ -16,6 +16,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from cgym.agents.ledger import ChatEncoder
+from cgym.agents.local.allocator import keep_freed_memory
+from cgym.agents.local.precision import autocast
+from cgym.agents.local.sampling import sequence_logprobs
+from cgym.agents.pretrained import resolve_model
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -26,12 +31,6 @@ from rich.progress import (
 )
 from torch import Tensor
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
-
-from agents.allocator import keep_freed_memory
-from agents.chat import ChatEncoder
-from agents.precision import autocast
-from agents.pretrained import resolve_model
-from agents.sampling import sequence_logprobs
 
 Demo = tuple[list[dict[str, Any]], list[dict[str, Any]]]
 Example = tuple[list[int], list[int]]  # (ids, loss mask)

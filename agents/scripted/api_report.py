@@ -14,10 +14,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from agents.base import Conversation
-from agents.scripted.family import Agent, Family, task_of
-from envs.api_report.tasks import COUNTED_STATUSES, ReportTask
-from envs.toolcall import ToolCall, parse_turn
+from cgym.agents.base import Conversation
+from cgym.agents.scripted.family import Agent, Family, task_of
+from cgym.envs.api_report.tasks import COUNTED_STATUSES, ReportTask
+from cgym.envs.toolcall import ToolCall, parse_turn
 
 
 @dataclass

@@ -11,8 +11,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from agents.base import Conversation
-from envs.registration import ScriptedAgentsError
+from cgym.agents.base import Conversation
+from cgym.envs.registration import ScriptedAgentsError
 
 Agent = Callable[[Conversation], str]
 T = TypeVar("T")

@@ -6,11 +6,10 @@ import warnings
 from collections.abc import Sequence
 
 import gymnasium as gym
-
-from agents.base import Conversation, Turn
-from agents.scripted.family import Agent, Family
-from envs.errors import InvalidChoiceError, UnknownEnvError, did_you_mean
-from envs.registration import ScriptedAgentsError, registered
+from cgym.agents.base import Conversation, Turn
+from cgym.agents.scripted.family import Agent, Family
+from cgym.envs.errors import InvalidChoiceError, UnknownEnvError, did_you_mean
+from cgym.envs.registration import ScriptedAgentsError, registered
 
 
 def family_for(env_id: str) -> Family:

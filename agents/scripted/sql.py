@@ -14,13 +14,13 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from agents.base import Conversation
-from agents.scripted.family import Agent, Family, task_of
-from envs.sql.checks import explain, judge
-from envs.sql.lexer import Token, select_list, tokenize, top_level_order_by
-from envs.sql.sandbox import Sandbox
-from envs.sql.tasks import SqlTask
-from envs.toolcall import ToolCall
+from cgym.agents.base import Conversation
+from cgym.agents.scripted.family import Agent, Family, task_of
+from cgym.envs.sql.checks import explain, judge
+from cgym.envs.sql.lexer import Token, select_list, tokenize, top_level_order_by
+from cgym.envs.sql.sandbox import Sandbox
+from cgym.envs.sql.tasks import SqlTask
+from cgym.envs.toolcall import ToolCall
 
 Flaw = Callable[[SqlTask], str | None]
 

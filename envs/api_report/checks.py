@@ -15,12 +15,12 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from envs import bounded_json
-from envs.api_report.calls import ApiCall, fetched_pages, unretried_failures
-from envs.api_report.tasks import ReportTask
-from envs.critique import Critique
-from envs.episode import Episode
-from envs.rubric import Check, CheckResult, Rubric
+from cgym.envs import bounded_json
+from cgym.envs.api_report.calls import ApiCall, fetched_pages, unretried_failures
+from cgym.envs.api_report.tasks import ReportTask
+from cgym.envs.critique import Critique
+from cgym.envs.episode import Episode
+from cgym.envs.rubric import Check, CheckResult, Rubric
 
 MAX_REASONING_CHARS = 500
 _FENCE = "```"

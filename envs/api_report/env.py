@@ -7,17 +7,16 @@ from typing import Any, ClassVar
 
 import httpx
 import numpy as np
-
-from envs.api_report.calls import ApiCall
-from envs.api_report.checks import default_rubric
-from envs.api_report.tasks import Difficulty, ReportTask, Split, sample_task
-from envs.core import AgentEnv
-from envs.errors import check_choice
-from envs.rubric import Rubric
-from envs.tools import Tool
-from mock_apis.faults import FaultPlan
-from mock_apis.shop.data import generate_shop
-from mock_apis.shop.service import ShopService
+from cgym.envs.api_report.calls import ApiCall
+from cgym.envs.api_report.checks import default_rubric
+from cgym.envs.api_report.tasks import Difficulty, ReportTask, Split, sample_task
+from cgym.envs.core import AgentEnv
+from cgym.envs.errors import check_choice
+from cgym.envs.rubric import Rubric
+from cgym.envs.tools import Tool
+from cgym.mock_apis.faults import FaultPlan
+from cgym.mock_apis.shop.data import generate_shop
+from cgym.mock_apis.shop.service import ShopService
 
 DEFAULT_MAX_TURNS: dict[str, int] = {"easy": 4, "medium": 6, "hard": 16}
 DEFAULT_FAULTS: dict[str, float] = {"easy": 0.0, "medium": 0.0, "hard": 0.1}

@@ -14,9 +14,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
-
-from mock_apis.shop.data import Customer, ShopData, generate_shop
-from mock_apis.shop.service import MAX_PER_PAGE, default_credentials
+from cgym.mock_apis.shop.data import Customer, ShopData, generate_shop
+from cgym.mock_apis.shop.service import MAX_PER_PAGE, default_credentials
 
 Difficulty = Literal["easy", "medium", "hard"]
 Split = Literal["train", "test"]

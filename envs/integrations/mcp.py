@@ -21,14 +21,13 @@ from collections.abc import Mapping
 from typing import Any
 
 import anyio
+from cgym.envs.critique import CRITIQUE_STYLES, Critique, render
+from cgym.envs.errors import CgymError
+from cgym.envs.registration import make
+from cgym.envs.toolcall import ToolCall
 from mcp import types
 from mcp.server.lowlevel import Server
 from mcp.server.stdio import stdio_server
-
-from envs.critique import CRITIQUE_STYLES, Critique, render
-from envs.errors import CgymError
-from envs.registration import make
-from envs.toolcall import ToolCall
 
 ANSWER_TOOL = "final_answer"
 RESULT_URI = "cgym://episode/result"

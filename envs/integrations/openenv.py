@@ -35,12 +35,11 @@ from dataclasses import asdict
 from typing import Any, ClassVar
 
 import gymnasium as gym
+from cgym.envs.core import CHARSET, MAX_ACTION_CHARS, MAX_OBSERVATION_CHARS, ResetNeeded, SimpleTask
+from cgym.envs.critique import Critique
+from cgym.envs.episode import Episode, StepRecord, ToolResult
+from cgym.envs.errors import CgymError, InvalidEnvKwargError, MissingExtraError, check_choice
 from gymnasium.spaces import Text
-
-from envs.core import CHARSET, MAX_ACTION_CHARS, MAX_OBSERVATION_CHARS, ResetNeeded, SimpleTask
-from envs.critique import Critique
-from envs.episode import Episode, StepRecord, ToolResult
-from envs.errors import CgymError, InvalidEnvKwargError, MissingExtraError, check_choice
 
 try:
     from openenv.core.client_types import StepResult
@@ -52,8 +51,8 @@ try:
     from websockets.exceptions import WebSocketException
 except ImportError as exc:  # one line from the CLI instead of a traceback
     raise MissingExtraError(f"openenv/Remote-v0 and `cgym serve` need openenv-core ({exc.name} is missing): pip install 'critique-gym[interop]'") from exc
-from envs.registration import make, registered, takes_kwarg
-from envs.toolcall import ToolCall
+from cgym.envs.registration import make, registered, takes_kwarg
+from cgym.envs.toolcall import ToolCall
 
 REMOTE_ENV_ID = "openenv/Remote-v0"
 _SCHEMES = ("http://", "https://", "ws://", "wss://")

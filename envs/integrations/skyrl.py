@@ -4,7 +4,7 @@ Importing this module registers every critique-gym env with skyrl_gym under its 
 (`register_envs()` again picks up envs registered later)::
 
     import skyrl_gym
-    import envs.integrations.skyrl  # noqa: F401 - registers the cgym/ ids
+    import cgym.envs.integrations.skyrl  # noqa: F401 - registers the cgym/ ids
 
     env = skyrl_gym.make("cgym/ApiReport-v0", env_config={"difficulty": "easy"}, extras={"seed": 3})
     prompt, _ = env.init([])
@@ -31,9 +31,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import skyrl_gym
+from cgym.envs.registration import make, registered, takes_kwarg
 from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput, ConversationType
-
-from envs.registration import make, registered, takes_kwarg
 
 _TOOLS_HEADER = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"

@@ -39,11 +39,11 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
-from envs.core import AgentEnv
-from envs.episode import Episode
-from envs.errors import CgymError
-from envs.registration import make, takes_kwarg
-from envs.toolcall import ToolCall
+from cgym.envs.core import AgentEnv
+from cgym.envs.episode import Episode
+from cgym.envs.errors import CgymError
+from cgym.envs.registration import make, takes_kwarg
+from cgym.envs.toolcall import ToolCall
 
 _JSON_HINTS: dict[str, Any] = {"string": str, "integer": int, "number": float, "boolean": bool, "object": dict, "null": type(None)}
 _OPEN_REASON = "The rollout ended without a final answer (the trainer's completion budget or tool-call limit ran out)."

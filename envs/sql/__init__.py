@@ -5,11 +5,11 @@ hardened read-only sandbox for model-written SQL, and `register_from_jsonl` to t
 SQLite file plus a JSONL of questions into a registered env.
 """
 
-from envs.sql.byo import JsonlSqlEnv, TaskFileError, load_tasks, register_from_jsonl
-from envs.sql.checks import Verdict, default_rubric
-from envs.sql.env import SYSTEM_PROMPT, SqlQueryEnv
-from envs.sql.sandbox import QueryResult, Sandbox, SqlError
-from envs.sql.tasks import SqlTask
+from cgym.envs.sql.byo import JsonlSqlEnv, TaskFileError, load_tasks, register_from_jsonl
+from cgym.envs.sql.checks import Verdict, default_rubric
+from cgym.envs.sql.env import SYSTEM_PROMPT, SqlQueryEnv
+from cgym.envs.sql.sandbox import QueryResult, Sandbox, SqlError
+from cgym.envs.sql.tasks import SqlTask
 
 __all__ = [
     "JsonlSqlEnv",

@@ -3,7 +3,7 @@
 Each JSONL line is ``{"question": ..., "gold_sql": ..., "db": "relative/to/the/jsonl.sqlite"}``
 with an optional ``"id"`` (and optional ``"difficulty"`` / ``"split"`` labels to filter on)::
 
-    import envs.sql, gymnasium as gym
+    import cgym.envs.sql, gymnasium as gym
     envs.sql.register_from_jsonl("myorg/MyDb-v0", "tasks.jsonl")
     env = gym.make("myorg/MyDb-v0")
 
@@ -19,13 +19,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-from envs.errors import CgymError, did_you_mean
-from envs.registration import EnvSpec, register
-from envs.rubric import Rubric
-from envs.sql.env import SqlQueryEnv
-from envs.sql.match import Expected
-from envs.sql.sandbox import DEFAULT_TIME_BUDGET_S, Sandbox, SqlError
-from envs.sql.tasks import SUBMIT_ROW_CAP, SqlTask
+from cgym.envs.errors import CgymError, did_you_mean
+from cgym.envs.registration import EnvSpec, register
+from cgym.envs.rubric import Rubric
+from cgym.envs.sql.env import SqlQueryEnv
+from cgym.envs.sql.match import Expected
+from cgym.envs.sql.sandbox import DEFAULT_TIME_BUDGET_S, Sandbox, SqlError
+from cgym.envs.sql.tasks import SUBMIT_ROW_CAP, SqlTask
 
 REQUIRED = ("question", "gold_sql", "db")
 OPTIONAL = ("id", "difficulty", "split")
@@ -48,7 +48,7 @@ def register_from_jsonl(env_id: str, jsonl_path: str | Path, *, description: str
     path = Path(jsonl_path).resolve()
     tasks = load_tasks(path, allow_outside=allow_outside)
     text = description or f"SQL questions from {path.name} ({len(tasks)} tasks)."
-    return register(env_id, "envs.sql.byo:JsonlSqlEnv", description=text, agents="agents.scripted.sql:FAMILY",
+    return register(env_id, "cgym.envs.sql.byo:JsonlSqlEnv", description=text, agents="cgym.agents.scripted.sql:FAMILY",
                     tasks_file=str(path), allow_outside=allow_outside, **defaults)
 
 

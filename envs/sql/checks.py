@@ -13,13 +13,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from envs.critique import Critique
-from envs.episode import Episode
-from envs.rubric import Check, CheckResult, Rubric
-from envs.sql.lexer import unconstrained_joins
-from envs.sql.match import Mismatch, compare
-from envs.sql.sandbox import Sandbox, SqlError
-from envs.sql.tasks import SUBMIT_ROW_CAP, SqlTask
+from cgym.envs.critique import Critique
+from cgym.envs.episode import Episode
+from cgym.envs.rubric import Check, CheckResult, Rubric
+from cgym.envs.sql.lexer import unconstrained_joins
+from cgym.envs.sql.match import Mismatch, compare
+from cgym.envs.sql.sandbox import Sandbox, SqlError
+from cgym.envs.sql.tasks import SUBMIT_ROW_CAP, SqlTask
 
 CONCISE_FACTOR = 2.0
 _ROW_CODES = frozenset({"extra_rows", "missing_rows", "row_count_mismatch", "result_mismatch"})

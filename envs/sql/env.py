@@ -11,18 +11,18 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, ClassVar
 
-from envs.core import AgentEnv
-from envs.episode import Episode
-from envs.errors import check_choice, did_you_mean
-from envs.rubric import Rubric
-from envs.sql.checks import default_rubric, judge
-from envs.sql.lexer import extract_query
-from envs.sql.match import render_row
-from envs.sql.sandbox import DEFAULT_TIME_BUDGET_S, Sandbox, TableInfo
-from envs.sql.schemas import SCHEMAS, SchemaName
-from envs.sql.tasks import SPLITS, Split, SqlTask, task_pool
-from envs.sql.templates import DIFFICULTIES, Difficulty
-from envs.tools import Tool, ToolError
+from cgym.envs.core import AgentEnv
+from cgym.envs.episode import Episode
+from cgym.envs.errors import check_choice, did_you_mean
+from cgym.envs.rubric import Rubric
+from cgym.envs.sql.checks import default_rubric, judge
+from cgym.envs.sql.lexer import extract_query
+from cgym.envs.sql.match import render_row
+from cgym.envs.sql.sandbox import DEFAULT_TIME_BUDGET_S, Sandbox, TableInfo
+from cgym.envs.sql.schemas import SCHEMAS, SchemaName
+from cgym.envs.sql.tasks import SPLITS, Split, SqlTask, task_pool
+from cgym.envs.sql.templates import DIFFICULTIES, Difficulty
+from cgym.envs.tools import Tool, ToolError
 
 SHOWN_ROWS = 20
 MAX_CELL_CHARS = 60

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from envs.sql.lexer import has_top_level_limit, order_key, top_level_order_by
+from cgym.envs.sql.lexer import has_top_level_limit, order_key, top_level_order_by
 
 Row = tuple[Any, ...]
 REL_TOL = 1e-6

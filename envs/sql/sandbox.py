@@ -37,9 +37,9 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from envs.errors import closest, did_you_mean
-from envs.sql.lexer import leading_keyword, split_statements, tokenize
-from envs.tools import ToolError
+from cgym.envs.errors import closest, did_you_mean
+from cgym.envs.sql.lexer import leading_keyword, split_statements, tokenize
+from cgym.envs.tools import ToolError
 
 DEFAULT_TIME_BUDGET_S = 1.0
 MAX_VALUE_BYTES = 100_000  # longest string/blob SQLite may build or read

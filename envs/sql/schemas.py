@@ -18,8 +18,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import sqlite_utils
-
-from envs.errors import check_choice
+from cgym.envs.errors import check_choice
 
 SchemaName = Literal["shop", "hr", "flights"]
 SCHEMAS: tuple[SchemaName, ...] = ("shop", "hr", "flights")

@@ -16,11 +16,11 @@ from functools import cache
 from pathlib import Path
 from typing import Any, Literal
 
-from envs.errors import check_choice
-from envs.sql.match import Expected, render_row
-from envs.sql.sandbox import Sandbox
-from envs.sql.schemas import DEFAULT_SEED, SCHEMAS, SchemaName, database_path
-from envs.sql.templates import DIFFICULTIES, TEMPLATES, Difficulty, Template
+from cgym.envs.errors import check_choice
+from cgym.envs.sql.match import Expected, render_row
+from cgym.envs.sql.sandbox import Sandbox
+from cgym.envs.sql.schemas import DEFAULT_SEED, SCHEMAS, SchemaName, database_path
+from cgym.envs.sql.templates import DIFFICULTIES, TEMPLATES, Difficulty, Template
 
 Split = Literal["train", "test"]
 SPLITS: tuple[Split, ...] = ("train", "test")

@@ -6,8 +6,8 @@
 
 from __future__ import annotations
 
-from mock_apis.shop.data import Customer, Order, OrderItem, Product, ShopData, generate_shop
-from mock_apis.shop.service import (
+from cgym.mock_apis.shop.data import Customer, Order, OrderItem, Product, ShopData, generate_shop
+from cgym.mock_apis.shop.service import (
     BASE_URL,
     MAX_PER_PAGE,
     RequestRecord,

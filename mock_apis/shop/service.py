@@ -35,9 +35,8 @@ from typing import Any, NamedTuple, Protocol
 
 import httpx
 import respx
-
-from mock_apis.faults import FaultKind, FaultPlan, faulty_response
-from mock_apis.shop.data import ShopData, generate_shop
+from cgym.mock_apis.faults import FaultKind, FaultPlan, faulty_response
+from cgym.mock_apis.shop.data import ShopData, generate_shop
 
 BASE_URL = "https://shop.example.test/api/v1"
 MAX_PER_PAGE = 5

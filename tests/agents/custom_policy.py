@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from agents.base import Conversation, Turn
-from agents.scripted import ScriptedPolicy
-from agents.spec import SamplingOptions
+from cgym.agents.base import Conversation, Turn
+from cgym.agents.options import SamplingOptions
+from cgym.agents.scripted import ScriptedPolicy
 
 
 class OracleWithOptions:

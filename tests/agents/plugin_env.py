@@ -8,13 +8,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-
-from agents.base import Conversation
-from agents.scripted import Family
-from agents.scripted.family import task_of
-from envs import AgentEnv, Check, CheckResult, Critique, Rubric, Tool
-from envs.episode import Episode
-from envs.toolcall import ToolCall
+from cgym.agents.base import Conversation
+from cgym.agents.scripted import Family
+from cgym.agents.scripted.family import task_of
+from cgym.envs import AgentEnv, Check, CheckResult, Critique, Rubric, Tool
+from cgym.envs.episode import Episode
+from cgym.envs.toolcall import ToolCall
 
 
 @dataclass(frozen=True)

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import pytest
-
-from agents.critics import REFINE_INSTRUCTION
-from agents.demos import demonstrations, refinement_demos
-from agents.episodes import run_episodes
-from agents.scripted import ScriptedPolicy
-from agents.scripted.api_report import _slip
-from envs.registration import make
+from cgym.agents.critics import REFINE_INSTRUCTION
+from cgym.agents.demos import demonstrations, refinement_demos
+from cgym.agents.eval.episodes import run_episodes
+from cgym.agents.scripted import ScriptedPolicy
+from cgym.agents.scripted.api_report import _slip
+from cgym.envs.registration import make
 
 ENV = "cgym/ApiReport-v0"
 
@@ -48,7 +47,8 @@ def test_refinement_demos_fix_the_critiqued_attempt_and_solve_the_task(difficult
 
 
 def test_cli_sft_mixes_in_refinement_demos(monkeypatch, tmp_path) -> None:
-    import trainer.sft
+    import cgym.trainer.sft
+
     from cgym.cli import main
 
     seen: list = []
@@ -57,7 +57,7 @@ def test_cli_sft_mixes_in_refinement_demos(monkeypatch, tmp_path) -> None:
         seen.extend(demos)
         return {"steps": 0}
 
-    monkeypatch.setattr(trainer.sft, "sft", fake_sft)
+    monkeypatch.setattr(cgym.trainer.sft, "sft", fake_sft)
     args = ["sft", "--env", ENV, "--env-kwargs", '{"difficulty": "easy"}', "--model", "m", "--out", str(tmp_path), "--episodes", "4"]
     assert main([*args, "--refinements", "12"]) == 0
     refinements = [messages for messages, _ in seen if REFINE_INSTRUCTION in messages[1]["content"]]

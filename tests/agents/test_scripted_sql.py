@@ -3,13 +3,12 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from agents.base import Conversation
-from agents.scripted import ScriptedPolicy, family_for
-from agents.scripted.sql import FAMILY, FLAW_CODES, FLAWS, SQL_AGENTS, flaw_applies, flawed_query, oracle
-from envs.sql import SqlQueryEnv
-from envs.sql.tasks import SqlTask, builtin_tasks, task_pool
-from envs.toolcall import parse_turn
+from cgym.agents.base import Conversation
+from cgym.agents.scripted import ScriptedPolicy, family_for
+from cgym.agents.scripted.sql import FAMILY, FLAW_CODES, FLAWS, SQL_AGENTS, flaw_applies, flawed_query, oracle
+from cgym.envs.sql import SqlQueryEnv
+from cgym.envs.sql.tasks import SqlTask, builtin_tasks, task_pool
+from cgym.envs.toolcall import parse_turn
 
 
 def task(template: str, split: str = "test") -> SqlTask:

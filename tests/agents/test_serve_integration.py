@@ -1,8 +1,8 @@
 """A real `transformers serve` on 127.0.0.1 with the tiny model: OpenAIPolicy against it, and
-training whose rollouts it samples, with the weights pushed to it every step (`agents.served`).
+training whose rollouts it samples, with the weights pushed to it every step (`trainer.samplers.served`).
 
 Needs fastapi, uvicorn and openai (the serving extra; the test extra has them through
-openenv-core) and `agents.tiny`; skips with the reason otherwise. Offline, CPU only. One server,
+openenv-core) and `trainer.tiny`; skips with the reason otherwise. Offline, CPU only. One server,
 started without a model, serves every test: each request names the model directory it wants.
 """
 
@@ -23,14 +23,13 @@ import httpx
 import numpy as np
 import pytest
 import torch
+from cgym.agents.base import Conversation, Turn
+from cgym.agents.remote.openai_client import OpenAIPolicy
+from cgym.envs.core import AgentEnv, SimpleTask
+from cgym.envs.episode import Episode
+from cgym.envs.rubric import Check, CheckResult, Rubric
+from cgym.trainer.samplers.served import ServedPolicy
 from transformers import AutoModelForCausalLM, AutoTokenizer
-
-from agents.base import Conversation, Turn
-from agents.openai_server import OpenAIPolicy
-from agents.served import ServedPolicy
-from envs.core import AgentEnv, SimpleTask
-from envs.episode import Episode
-from envs.rubric import Check, CheckResult, Rubric
 
 pytestmark = pytest.mark.slow
 
@@ -61,8 +60,8 @@ def _missing_requirements() -> str | None:
         return f"`transformers serve` needs {', '.join(missing)}: pip install 'critique-gym[serving]'"
     if importlib.util.find_spec("transformers.cli.serve") is None:
         return "this transformers version has no `transformers serve` CLI"
-    if importlib.util.find_spec("agents.tiny") is None:
-        return "agents.tiny (the embedded tiny model) is not available yet"
+    if importlib.util.find_spec("cgym.trainer.tiny") is None:
+        return "trainer.tiny (the embedded tiny model) is not available yet"
     return None
 
 
@@ -101,7 +100,7 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     reason = _missing_requirements()
     if reason:
         pytest.skip(reason)
-    from agents.tiny import build_tiny
+    from cgym.trainer.tiny import build_tiny
 
     root = tmp_path_factory.mktemp("serve")
     started = time.monotonic()
@@ -200,8 +199,8 @@ def _share_of_a(episode: Episode) -> float:
 def test_training_samples_from_the_server_and_pushes_each_step(server, tmp_path: Path) -> None:
     """`TrainConfig.served`: rollouts come from the server, the weights move, every step's
     rollouts used the previous step's weights, and only the newest version stays on disk."""
-    from trainer.config import TrainConfig
-    from trainer.grpo import train
+    from cgym.trainer.config import TrainConfig
+    from cgym.trainer.grpo import train
 
     model_dir, base_url = server
     out = tmp_path / "run"

@@ -5,11 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import cgym.agents.remote.vllm_policy
 import pytest
-
-import agents.vllm_policy
-from agents.spec import PolicySpecError, SamplingOptions, load_policy
-from envs.errors import CgymError, ConfigError
+from cgym.agents.options import PolicySpecError, SamplingOptions
+from cgym.agents.spec import load_policy
+from cgym.envs.errors import CgymError, ConfigError
 
 HERE = Path(__file__).parent
 
@@ -79,7 +79,7 @@ def test_sampling_options_reach_vllm_policies(monkeypatch: pytest.MonkeyPatch) -
             seen["sampling"] = kwargs
             return object()
 
-    monkeypatch.setattr(agents.vllm_policy, "import_vllm", FakeVLLM)
+    monkeypatch.setattr(cgym.agents.remote.vllm_policy, "import_vllm", FakeVLLM)
     load_policy("vllm:some/model", SamplingOptions(temperature=0.2, top_p=0.9, max_new_tokens=64, seed=7))
     assert seen["sampling"] == {"temperature": 0.2, "top_p": 0.9, "max_tokens": 64, "seed": 7, "logprobs": 0}
     assert seen["llm"] == {"model": "some/model", "seed": 7}
@@ -88,6 +88,6 @@ def test_sampling_options_reach_vllm_policies(monkeypatch: pytest.MonkeyPatch) -
 def test_vllm_defaults_are_the_sampling_options_defaults() -> None:
     import inspect
 
-    params = inspect.signature(agents.vllm_policy.VLLMPolicy).parameters
+    params = inspect.signature(cgym.agents.remote.vllm_policy.VLLMPolicy).parameters
     defaults = SamplingOptions()
     assert (params["temperature"].default, params["top_p"].default, params["max_tokens"].default) == (defaults.temperature, defaults.top_p, defaults.max_new_tokens)

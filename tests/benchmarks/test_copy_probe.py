@@ -5,12 +5,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
-from agents.chat import ChatEncoder
-from agents.episodes import run_episodes
-from agents.scripted import ScriptedPolicy
-from benchmarks.copy_probe import FieldProbe, probe_episode, report_values, tally, value_group, value_spans
-from envs.registration import make
+from cgym.agents.eval.episodes import run_episodes
+from cgym.agents.ledger import ChatEncoder
+from cgym.agents.scripted import ScriptedPolicy
+from cgym.benchmarks.copy_probe import FieldProbe, probe_episode, report_values, tally, value_group, value_spans
+from cgym.envs.registration import make
 
 
 def test_report_values_and_spans_point_at_each_value() -> None:

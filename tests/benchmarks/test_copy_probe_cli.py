@@ -3,8 +3,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
-from benchmarks.copy_probe import probe
+from cgym.benchmarks.copy_probe import probe
 
 
 @pytest.mark.slow

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cgym.benchmarks.cpu_floors import counting_flops, exp_rate_per_s, figure, forward_exps, forward_flops
+from cgym.trainer.tiny import build_tiny
 from transformers import AutoModelForCausalLM
-
-from agents.tiny import build_tiny
-from benchmarks.cpu_floors import counting_flops, exp_rate_per_s, figure, forward_exps, forward_flops
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +56,7 @@ def test_counting_keeps_the_signature_the_fast_paths_read(model: torch.nn.Module
     signature; counting must not hide it, or the benchmark times slower code than it names."""
     import inspect
 
-    from agents.sampling import _forward_kwargs, _signature_kwargs
+    from cgym.agents.local.sampling import _forward_kwargs, _signature_kwargs
 
     cls = type(model)
     plain = set(inspect.signature(cls.forward).parameters)

@@ -6,8 +6,7 @@ import argparse
 from pathlib import Path
 
 import pytest
-
-from benchmarks.critique_vs_grpo import parse_arm, plot, summarize, task_split
+from cgym.benchmarks.critique_vs_grpo import parse_arm, plot, summarize, task_split
 
 RUNS = [
     {"arm": "grpo", "seed": 0, "before": 0.2, "after": 0.3, "curve": [(0.0, 0.2), (10.0, 0.3)], "pool_before": 0.1, "pool_after": 0.5},
@@ -48,13 +47,13 @@ def test_task_split_counts_tasks_solved_never_sometimes_always() -> None:
 
 
 def test_sft_arm_trains_for_the_budget_on_unseen_demos_and_reports_like_the_other_arms(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    import agents.demos
-    import benchmarks.critique_vs_grpo as bench
-    import trainer.sft
+    import cgym.agents.demos
+    import cgym.benchmarks.critique_vs_grpo as bench
+    import cgym.trainer.sft
 
     seen: dict = {}
-    monkeypatch.setattr(agents.demos, "demonstrations", lambda env_id, kwargs, *, episodes, seed: seen.update(env=env_id, seed=seed) or ["demo"])
-    monkeypatch.setattr(trainer.sft, "sft", lambda model, demos, out, **kw: seen.update(budget=kw["time_budget_s"]) or {"steps": 3, "seconds": 42.0, "tokens": 900})
+    monkeypatch.setattr(cgym.agents.demos, "demonstrations", lambda env_id, kwargs, *, episodes, seed: seen.update(env=env_id, seed=seed) or ["demo"])
+    monkeypatch.setattr(cgym.trainer.sft, "sft", lambda model, demos, out, **kw: seen.update(budget=kw["time_budget_s"]) or {"steps": 3, "seconds": 42.0, "tokens": 900})
     monkeypatch.setattr(bench, "test_success", lambda model, setting: {"success_rate": 0.5})
     setting = bench.Setting("m", "medium", 120.0, 0, 16, 8, 2, tmp_path, env_id=bench.ENVS["sql"])
     run = bench.run_sft_arm(1, setting, start=0.25)

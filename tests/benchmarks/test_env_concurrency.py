@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from benchmarks.env_concurrency import main
+from cgym.benchmarks.env_concurrency import main
 
 
 def test_small_run_writes_rows_per_batch_size_and_concurrency_wins(tmp_path: Path) -> None:

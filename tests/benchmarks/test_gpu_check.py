@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from benchmarks import gpu_check
+from cgym.benchmarks import gpu_check
 
 
 def test_without_a_gpu_every_check_is_skipped_with_its_reason(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -7,10 +7,10 @@ import json
 from pathlib import Path
 
 import pytest
+from cgym.benchmarks.headroom import SPLITS, main, parse_split
+from cgym.trainer.tiny import build_tiny
 
-from agents.tiny import build_tiny
-from benchmarks.headroom import SPLITS, main, parse_split
-from tests.agents.test_hf import SIZES, chat_corpus
+from tests.agents.local.test_hf import SIZES, chat_corpus
 
 
 def test_split_names_env_and_difficulty() -> None:

@@ -6,8 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-
-from benchmarks import learning
+from cgym.benchmarks import learning
 
 
 def test_arms_are_built_in_names_or_overrides() -> None:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import envs  # noqa: F401
-from agents.scripted import ScriptedPolicy
-from benchmarks.refine_success import STYLES, refine_failures
+from cgym.agents.scripted import ScriptedPolicy
+from cgym.benchmarks.refine_success import STYLES, refine_failures
+
+from cgym import envs  # noqa: F401
 
 ENV = "cgym/ApiReport-v0"
 KWARGS = {"difficulty": "easy", "split": "test"}

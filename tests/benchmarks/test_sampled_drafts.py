@@ -6,11 +6,11 @@ import json
 from pathlib import Path
 
 import pytest
+from cgym.agents.local.lookup import LOOKUP_TOKENS
+from cgym.benchmarks.sampled_drafts import main
+from cgym.trainer.tiny import build_tiny
 
-from agents.lookup import LOOKUP_TOKENS
-from agents.tiny import build_tiny
-from benchmarks.sampled_drafts import main
-from tests.agents.test_hf import SIZES, chat_corpus
+from tests.agents.local.test_hf import SIZES, chat_corpus
 
 
 def test_both_arms_alternate_and_the_json_compares_them(tmp_path: Path) -> None:

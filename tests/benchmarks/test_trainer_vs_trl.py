@@ -1,8 +1,7 @@
 from __future__ import annotations
 
 import pytest
-
-from benchmarks.trainer_vs_trl import BenchConfig, run
+from cgym.benchmarks.trainer_vs_trl import BenchConfig, run
 
 pytest.importorskip("trl")
 pytest.importorskip("datasets")

@@ -7,9 +7,9 @@ import socket
 from pathlib import Path
 
 import pytest
+from cgym.trainer.finite import NonFiniteError
 
 from cgym.cli import main
-from trainer.finite import NonFiniteError
 
 API = ["--env", "cgym/ApiReport-v0"]
 SQL = ["--env", "cgym/SqlQuery-v0"]
@@ -93,24 +93,24 @@ def test_user_errors_are_one_line_and_exit_2(argv: list[str], expected: str, tmp
 
 
 def test_an_unwritable_json_path_fails_before_the_evaluation(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    import agents.evaluate
+    import cgym.agents.eval.evaluate
 
     def must_not_run(*args, **kwargs):
         raise AssertionError("the evaluation ran although its result could not be written")
 
-    monkeypatch.setattr(agents.evaluate, "evaluate", must_not_run)
+    monkeypatch.setattr(cgym.agents.eval.evaluate, "evaluate", must_not_run)
     (tmp_path / "a-file").write_text("")
     code, err = run_cli([*EVAL, "--json", str(tmp_path / "a-file" / "out.json")], capsys)
     assert code == 2 and "cannot write --json" in err
 
 
 def test_a_diverged_run_exits_2_with_the_step(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    import trainer.grpo
+    import cgym.trainer.grpo
 
     def diverge(config, **kwargs):
         raise NonFiniteError("step 3: the loss is nan (the weights or the update diverged)")
 
-    monkeypatch.setattr(trainer.grpo, "train", diverge)
+    monkeypatch.setattr(cgym.trainer.grpo, "train", diverge)
     code, err = run_cli(["train", *API, "--model", "tiny", "--out", str(tmp_path / "run"), "--eval-episodes", "0"], capsys)
     assert code == 2
     assert err.strip().splitlines() == ["error: step 3: the loss is nan (the weights or the update diverged)"]

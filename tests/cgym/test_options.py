@@ -9,13 +9,13 @@ from pathlib import Path
 from typing import Literal
 
 import pytest
+from cgym.agents.eval.evaluate import EvalConfig
+from cgym.agents.options import SamplingOptions
+from cgym.trainer.config import TrainConfig
 
-from agents.evaluate import EvalConfig
-from agents.spec import SamplingOptions
 from cgym.cli import build_parser
 from cgym.commands import train_config
 from cgym.options import add_config_options, config_kwargs, field_docs
-from trainer.config import TrainConfig
 
 
 @dataclass(frozen=True)

@@ -6,16 +6,16 @@ import warnings
 
 import gymnasium as gym
 import pytest
+from cgym.agents.eval.audit import audit
+from cgym.agents.eval.episodes import EpisodeResult, run_episodes
+from cgym.agents.scripted import ScriptedPolicy
+from cgym.envs.api_report.checks import extract_report
+from cgym.envs.toolcall import parse_turn
 from gymnasium.utils.env_checker import check_env
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import envs
-from agents.audit import audit
-from agents.episodes import EpisodeResult, run_episodes
-from agents.scripted import ScriptedPolicy
-from envs.api_report.checks import extract_report
-from envs.toolcall import parse_turn
+from cgym import envs
 
 ENV = "cgym/ApiReport-v0"
 

@@ -7,13 +7,12 @@ from typing import Any
 
 import numpy as np
 import pytest
+from cgym.envs import AgentEnv, Check, CheckResult, Critique, Rubric, SimpleTask, Tool
+from cgym.envs.core import ResetNeeded, Task
+from cgym.envs.episode import Episode
+from cgym.envs.errors import InvalidChoiceError
+from cgym.envs.toolcall import ParsedTurn, ToolCall
 from gymnasium.utils.env_checker import check_env
-
-from envs import AgentEnv, Check, CheckResult, Critique, Rubric, SimpleTask, Tool
-from envs.core import ResetNeeded, Task
-from envs.episode import Episode
-from envs.errors import InvalidChoiceError
-from envs.toolcall import ParsedTurn, ToolCall
 
 
 # -- the README's example plugin env ---------------------------------------------------------

@@ -15,18 +15,18 @@ from typing import Any, ClassVar
 
 import numpy as np
 import pytest
+from cgym.envs import bounded_json
+from cgym.envs.api_report.checks import _split_fences, extract_report
+from cgym.envs.core import MAX_ACTION_CHARS, MAX_CALLS_PER_TURN, AgentEnv, ResetNeeded
+from cgym.envs.episode import Episode
+from cgym.envs.rubric import CRASH_SCORE, Check, CheckResult, Rubric
+from cgym.envs.sql.lexer import extract_query, is_read_only_form, tokenize
+from cgym.envs.toolcall import _unfence, parse_turn
+from cgym.envs.tools import Tool
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import envs
-from envs import bounded_json
-from envs.api_report.checks import _split_fences, extract_report
-from envs.core import MAX_ACTION_CHARS, MAX_CALLS_PER_TURN, AgentEnv, ResetNeeded
-from envs.episode import Episode
-from envs.rubric import CRASH_SCORE, Check, CheckResult, Rubric
-from envs.sql.lexer import extract_query, is_read_only_form, tokenize
-from envs.toolcall import _unfence, parse_turn
-from envs.tools import Tool
+from cgym import envs
 
 STEP_LIMIT_S = 1.0
 BUILT_IN = [(env_id, d) for env_id in ("cgym/ApiReport-v0", "cgym/SqlQuery-v0") for d in envs.DIFFICULTIES]

@@ -18,13 +18,13 @@ import pytest
 pytest.importorskip("mcp")
 
 import anyio
+from cgym.agents.eval.episodes import EpisodeResult, run_episodes
+from cgym.agents.scripted import ScriptedPolicy
+from cgym.envs.integrations.mcp import ANSWER_TOOL, RESULT_URI, TASK_PROMPT
+from cgym.envs.toolcall import parse_turn
 from mcp import ClientSession, StdioServerParameters, stdio_client
 
-import envs
-from agents.episodes import EpisodeResult, run_episodes
-from agents.scripted import ScriptedPolicy
-from envs.integrations.mcp import ANSWER_TOOL, RESULT_URI, TASK_PROMPT
-from envs.toolcall import parse_turn
+from cgym import envs
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = "cgym/ApiReport-v0"

@@ -21,18 +21,18 @@ pytest.importorskip("openenv.core")
 
 import httpx
 import uvicorn
+from cgym.agents.base import Conversation, Turn
+from cgym.agents.eval.episodes import EpisodeResult, run_episodes
+from cgym.agents.scripted import ScriptedPolicy
+from cgym.envs.core import ResetNeeded
+from cgym.envs.errors import InvalidEnvKwargError
+from cgym.envs.integrations.openenv import REMOTE_ENV_ID, RemoteEnvError, build_app
+from cgym.envs.registration import takes_kwarg
 from gymnasium.utils.env_checker import check_env
 from websockets.sync.client import connect
 
-import envs
-from agents.base import Conversation, Turn
-from agents.episodes import EpisodeResult, run_episodes
-from agents.scripted import ScriptedPolicy
+from cgym import envs
 from cgym.cli import main
-from envs.core import ResetNeeded
-from envs.errors import InvalidEnvKwargError
-from envs.integrations.openenv import REMOTE_ENV_ID, RemoteEnvError, build_app
-from envs.registration import takes_kwarg
 
 ENV = "cgym/ApiReport-v0"
 KWARGS = {"difficulty": "medium"}

@@ -9,11 +9,12 @@ import pytest
 
 skyrl_gym = pytest.importorskip("skyrl_gym")
 
-import envs  # noqa: E402
-from agents.base import Conversation  # noqa: E402
-from agents.episodes import run_episodes  # noqa: E402
-from agents.scripted import ScriptedPolicy  # noqa: E402
-from envs.integrations.skyrl import CgymTextEnv, register_envs, rows  # noqa: E402
+from cgym.agents.base import Conversation  # noqa: E402
+from cgym.agents.eval.episodes import run_episodes  # noqa: E402
+from cgym.agents.scripted import ScriptedPolicy  # noqa: E402
+from cgym.envs.integrations.skyrl import CgymTextEnv, register_envs, rows  # noqa: E402
+
+from cgym import envs  # noqa: E402
 
 API = "cgym/ApiReport-v0"
 SQL = "cgym/SqlQuery-v0"

@@ -12,18 +12,18 @@ import pytest
 pytest.importorskip("trl")
 pytest.importorskip("datasets")
 
+from cgym.agents.base import Conversation  # noqa: E402
+from cgym.agents.eval.episodes import run_episodes  # noqa: E402
+from cgym.agents.scripted import ScriptedPolicy  # noqa: E402
+from cgym.envs.core import AgentEnv, SimpleTask  # noqa: E402
+from cgym.envs.episode import Episode  # noqa: E402
+from cgym.envs.integrations.trl import CgymTrlEnv, ToolNameError, dataset, env_reward, environment_factory, tool_method  # noqa: E402
+from cgym.envs.rubric import Check, CheckResult, Rubric  # noqa: E402
+from cgym.envs.toolcall import parse_turn  # noqa: E402
+from cgym.envs.tools import Tool  # noqa: E402
 from transformers.utils import get_json_schema  # noqa: E402
 
-import envs  # noqa: E402
-from agents.base import Conversation  # noqa: E402
-from agents.episodes import run_episodes  # noqa: E402
-from agents.scripted import ScriptedPolicy  # noqa: E402
-from envs.core import AgentEnv, SimpleTask  # noqa: E402
-from envs.episode import Episode  # noqa: E402
-from envs.integrations.trl import CgymTrlEnv, ToolNameError, dataset, env_reward, environment_factory, tool_method  # noqa: E402
-from envs.rubric import Check, CheckResult, Rubric  # noqa: E402
-from envs.toolcall import parse_turn  # noqa: E402
-from envs.tools import Tool  # noqa: E402
+from cgym import envs  # noqa: E402
 
 API = "cgym/ApiReport-v0"
 EASY = {"difficulty": "easy", "split": "train"}
@@ -193,8 +193,8 @@ class LettersEnv(AgentEnv):
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from agents.demos import corpus, demonstrations
-    from agents.tiny import build_tiny
+    from cgym.agents.demos import corpus, demonstrations
+    from cgym.trainer.tiny import build_tiny
 
     demos = demonstrations(API, {"difficulty": "easy"}, episodes=8, seed=0)
     return build_tiny(

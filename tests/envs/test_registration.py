@@ -8,9 +8,9 @@ from pathlib import Path
 
 import gymnasium as gym
 import pytest
+from cgym.envs.errors import InvalidChoiceError, InvalidEnvKwargError, UnknownEnvError
 
-import envs
-from envs.errors import InvalidChoiceError, InvalidEnvKwargError, UnknownEnvError
+from cgym import envs
 
 
 def test_builtins_are_registered_with_gymnasium() -> None:
@@ -36,17 +36,17 @@ def test_bad_choice_names_the_choices(kwargs: dict, match: str) -> None:
 
 def test_bad_id_shape_is_refused() -> None:
     with pytest.raises(envs.CgymError, match="namespace/Name-v0"):
-        envs.register("no-version", "envs.api_report:ApiReportEnv")
+        envs.register("no-version", "cgym.envs.api_report:ApiReportEnv")
 
 
 def test_register_a_new_env_and_make_it() -> None:
-    envs.register("testorg/Report-v0", "envs.api_report:ApiReportEnv", description="test", difficulty="medium")
+    envs.register("testorg/Report-v0", "cgym.envs.api_report:ApiReportEnv", description="test", difficulty="medium")
     env = envs.make("testorg/Report-v0")
     assert env.unwrapped.difficulty == "medium"
 
 
 def test_plugins_load_from_entry_points(monkeypatch: pytest.MonkeyPatch) -> None:
-    from envs import registration
+    from cgym.envs import registration
 
     calls: list[str] = []
 
@@ -77,7 +77,7 @@ def _fake_plugin(root: Path, body: str) -> dict[str, str]:
 
 
 PLUGIN = """
-    import envs  # a plugin that imports envs: loading it from `import envs` must not recurse
+    from cgym import envs  # a plugin that imports envs: loading it from `import cgym.envs` must not recurse
 
 
     def register_all():
@@ -88,15 +88,15 @@ PLUGIN = """
 @pytest.mark.parametrize(
     ("first", "make"),
     # imported first, the plugin is half-imported when `envs` loads it: the next envs call loads it
-    [("import envs", "gymnasium.make"), ("import myorg_plugin", "envs.make")],
+    [("import cgym.envs", "gymnasium.make"), ("import myorg_plugin", "cgym.envs.make")],
     ids=["envs-first", "plugin-first"],
 )
 def test_plugins_load_on_import_envs(tmp_path: Path, first: str, make: str) -> None:
     script = f"""
 {first}
-import gymnasium, envs
-from agents.episodes import run_episodes
-from agents.scripted import ScriptedPolicy
+import gymnasium, cgym.envs
+from cgym.agents.eval.episodes import run_episodes
+from cgym.agents.scripted import ScriptedPolicy
 
 env = {make}("myorg/Foo-v0")
 results = run_episodes(lambda: gymnasium.make("myorg/Foo-v0"), ScriptedPolicy("oracle"), range(3))
@@ -108,8 +108,9 @@ print(type(env.unwrapped).__name__, all(r.success for r in results))
 
 
 def test_scripted_agent_names_are_checked_after_plugins_load(monkeypatch: pytest.MonkeyPatch) -> None:
-    from agents.scripted import Family, ScriptedPolicy
-    from envs import registration
+    from cgym.agents.scripted import Family, ScriptedPolicy
+    from cgym.envs import registration
+
     from tests.agents.plugin_env import oracle
 
     class PluginEntryPoint:

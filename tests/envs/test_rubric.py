@@ -1,12 +1,11 @@
 from __future__ import annotations
 
 import pytest
+from cgym.envs.critique import Critique
+from cgym.envs.episode import Episode
+from cgym.envs.rubric import Check, CheckResult, Rubric
 from hypothesis import given
 from hypothesis import strategies as st
-
-from envs.critique import Critique
-from envs.episode import Episode
-from envs.rubric import Check, CheckResult, Rubric
 
 
 def _fixed(result: CheckResult):

@@ -7,16 +7,16 @@ import time
 import warnings
 from pathlib import Path
 
+import cgym.envs.sql
 import gymnasium as gym
 import pytest
 import sqlite_utils
+from cgym.agents.eval.episodes import run_episodes
+from cgym.agents.scripted import ScriptedPolicy
+from cgym.envs.sql import Sandbox, TaskFileError, schemas
 from gymnasium.utils.env_checker import check_env
 
-import envs
-import envs.sql
-from agents.episodes import run_episodes
-from agents.scripted import ScriptedPolicy
-from envs.sql import Sandbox, TaskFileError, schemas
+from cgym import envs
 
 QUESTIONS = [
     {"question": "List the titles of books published before 1950. Return columns: title.",
@@ -55,7 +55,7 @@ def library(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def env_id(library: Path) -> str:
-    spec = envs.sql.register_from_jsonl("testorg/Library-v0", library / "tasks.jsonl", max_turns=6)
+    spec = cgym.envs.sql.register_from_jsonl("testorg/Library-v0", library / "tasks.jsonl", max_turns=6)
     assert "4 tasks" in spec.description
     return spec.id
 
@@ -118,7 +118,7 @@ def test_bad_rows_are_rejected_with_line_numbers(library: Path, tmp_path: Path, 
     path = tmp_path / "bad.jsonl"
     path.write_text(first + "\n" + line + "\n")
     with pytest.raises(TaskFileError) as caught:
-        envs.sql.register_from_jsonl("testorg/Bad-v0", path)
+        cgym.envs.sql.register_from_jsonl("testorg/Bad-v0", path)
     assert message in str(caught.value)
     assert "testorg/Bad-v0" not in gym.registry
 
@@ -127,10 +127,10 @@ def test_not_a_database_and_empty_files(tmp_path: Path) -> None:
     (tmp_path / "junk.sqlite").write_text("this is not sqlite")
     (tmp_path / "t.jsonl").write_text(json.dumps({"question": "q", "gold_sql": "SELECT 1", "db": "junk.sqlite"}) + "\n")
     with pytest.raises(TaskFileError, match="not a readable SQLite database"):
-        envs.sql.load_tasks(tmp_path / "t.jsonl")
+        cgym.envs.sql.load_tasks(tmp_path / "t.jsonl")
     (tmp_path / "empty.jsonl").write_text("\n")
     with pytest.raises(TaskFileError, match="holds no tasks"):
-        envs.sql.load_tasks(tmp_path / "empty.jsonl")
+        cgym.envs.sql.load_tasks(tmp_path / "empty.jsonl")
 
 
 # -- hostile task files and databases ---------------------------------------------------------
@@ -165,7 +165,7 @@ def write_lines(path: Path, *lines: bytes | str) -> Path:
 def test_malformed_lines_are_task_file_errors_with_the_line(folder: Path, line: bytes | str, message: str) -> None:
     path = write_lines(folder / "t.jsonl", json.dumps(GOOD), line)
     with pytest.raises(TaskFileError) as caught:
-        envs.sql.load_tasks(path)
+        cgym.envs.sql.load_tasks(path)
     assert message in str(caught.value)
 
 
@@ -173,7 +173,7 @@ def test_every_bad_line_is_reported_at_once(folder: Path) -> None:
     path = write_lines(folder / "t.jsonl", json.dumps(GOOD), b"\xff\xfe", json.dumps(GOOD | {"gold_sql": "SELECT nope FROM books"}),
                        json.dumps(GOOD), "[" * 50_000, json.dumps(GOOD | {"db": "../elsewhere.sqlite"}))
     with pytest.raises(TaskFileError) as caught:
-        envs.sql.load_tasks(path)
+        cgym.envs.sql.load_tasks(path)
     text = str(caught.value)
     assert [f"line {n}:" in text for n in (1, 2, 3, 4, 5, 6)] == [False, True, True, False, True, True], text
 
@@ -181,7 +181,7 @@ def test_every_bad_line_is_reported_at_once(folder: Path) -> None:
 def test_a_byte_order_mark_and_crlf_line_ends_are_accepted(folder: Path) -> None:
     path = folder / "t.jsonl"
     path.write_bytes(b"\xef\xbb\xbf" + json.dumps(GOOD).encode() + b"\r\n" + json.dumps(GOOD | {"id": "two"}).encode() + b"\r\n")
-    assert [t.id for t in envs.sql.load_tasks(path)] == ["t-1", "two"]
+    assert [t.id for t in cgym.envs.sql.load_tasks(path)] == ["t-1", "two"]
 
 
 @pytest.mark.parametrize("where", ["absolute", "dot-dot", "symlink-out", "symlinked-folder-out"])
@@ -201,8 +201,8 @@ def test_db_paths_are_confined_to_the_task_files_folder_unless_allowed(library: 
         db = "data/library.sqlite"
     path = write_lines(inside / "t.jsonl", json.dumps(GOOD | {"db": db}))
     with pytest.raises(TaskFileError, match="outside the task file's folder .*allow_outside=True"):
-        envs.sql.register_from_jsonl(f"testorg/Out{where.title().replace('-', '')}-v0", path)
-    spec = envs.sql.register_from_jsonl(f"testorg/Allowed{where.title().replace('-', '')}-v0", path, allow_outside=True)
+        cgym.envs.sql.register_from_jsonl(f"testorg/Out{where.title().replace('-', '')}-v0", path)
+    spec = cgym.envs.sql.register_from_jsonl(f"testorg/Allowed{where.title().replace('-', '')}-v0", path, allow_outside=True)
     env = envs.make(spec.id)
     _, info = env.reset(seed=0)
     assert info["task_id"] == "t-1"
@@ -212,7 +212,7 @@ def test_db_paths_are_confined_to_the_task_files_folder_unless_allowed(library: 
 def test_a_symlink_that_stays_inside_the_folder_is_fine(folder: Path) -> None:
     (folder / "same.sqlite").symlink_to(folder / "data" / "library.sqlite")
     path = write_lines(folder / "t.jsonl", json.dumps(GOOD | {"db": "same.sqlite"}))
-    assert len(envs.sql.load_tasks(path)) == 1
+    assert len(cgym.envs.sql.load_tasks(path)) == 1
 
 
 @pytest.fixture()
@@ -235,14 +235,14 @@ def hostile_db(tmp_path: Path) -> Path:
 
 
 def test_a_hostile_database_registers_quickly_and_its_bad_views_are_named(hostile_db: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(envs.sql.byo, "GOLD_BUDGET_S", 1.0)
+    monkeypatch.setattr(cgym.envs.sql.byo, "GOLD_BUDGET_S", 1.0)
     good = {"question": "q", "gold_sql": "SELECT name FROM items ORDER BY id", "db": "data/hostile.sqlite"}
     path = write_lines(hostile_db.parent.parent / "t.jsonl", json.dumps(good),
                        json.dumps(good | {"gold_sql": "SELECT m FROM endless_max"}), json.dumps(good | {"gold_sql": "SELECT b FROM huge"}),
                        json.dumps(good | {"gold_sql": "SELECT length(b) FROM blobs"}), json.dumps(good | {"gold_sql": "SELECT b FROM blobs"}))
     start = time.perf_counter()
     with pytest.raises(TaskFileError) as caught:
-        envs.sql.load_tasks(path)
+        cgym.envs.sql.load_tasks(path)
     assert time.perf_counter() - start < 6.0
     text = str(caught.value)
     assert "line 2: gold_sql fails to run: [timeout]" in text
@@ -262,10 +262,10 @@ def test_the_schema_of_a_hostile_database_is_read_within_its_budget(hostile_db: 
 
 
 def test_list_tables_says_which_counts_are_unknown(hostile_db: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(envs.sql.byo, "GOLD_BUDGET_S", 1.0)
+    monkeypatch.setattr(cgym.envs.sql.byo, "GOLD_BUDGET_S", 1.0)
     path = write_lines(hostile_db.parent.parent / "t.jsonl", json.dumps({"question": "q", "gold_sql": "SELECT name FROM items",
                                                                           "db": "data/hostile.sqlite"}))
-    env = envs.make(envs.sql.register_from_jsonl("testorg/Hostile-v0", path).id)
+    env = envs.make(cgym.envs.sql.register_from_jsonl("testorg/Hostile-v0", path).id)
     env.reset(seed=0)
     obs, *_ = env.step(f'<tool_call>{json.dumps({"name": "list_tables", "arguments": {}})}</tool_call>')
     env.close()
@@ -286,7 +286,7 @@ def test_list_tables_says_which_counts_are_unknown(hostile_db: Path, monkeypatch
 def test_table_valued_functions_in_gold_queries(folder: Path, gold: str, message: str | None) -> None:
     path = write_lines(folder / "t.jsonl", json.dumps(GOOD | {"gold_sql": gold}))
     if message is None:
-        assert envs.sql.load_tasks(path)[0].expected.rows
+        assert cgym.envs.sql.load_tasks(path)[0].expected.rows
     else:
         with pytest.raises(TaskFileError, match=message):
-            envs.sql.load_tasks(path)
+            cgym.envs.sql.load_tasks(path)

@@ -7,22 +7,22 @@ import warnings
 
 import gymnasium as gym
 import pytest
+from cgym.agents.eval.audit import audit
+from cgym.agents.eval.episodes import EpisodeResult, run_episodes
+from cgym.agents.scripted import ScriptedPolicy
+from cgym.agents.scripted.sql import FLAW_CODES, flaw_applies
+from cgym.envs.errors import InvalidChoiceError
+from cgym.envs.sql import SqlQueryEnv, SqlTask, schemas
 from gymnasium.utils.env_checker import check_env
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import envs
-from agents.audit import audit
-from agents.episodes import EpisodeResult, run_episodes
-from agents.scripted import ScriptedPolicy
-from agents.scripted.sql import FLAW_CODES, flaw_applies
-from envs.errors import InvalidChoiceError
-from envs.sql import SqlQueryEnv, SqlTask, schemas
+from cgym import envs
 from tests.envs.test_sql_sandbox import HOSTILE
 
 ENV = "cgym/SqlQuery-v0"
 if ENV not in gym.registry:  # until envs/__init__.py registers it
-    envs.register(ENV, "envs.sql:SqlQueryEnv", description="Answer questions about a SQLite database with one SQL query.")
+    envs.register(ENV, "cgym.envs.sql:SqlQueryEnv", description="Answer questions about a SQLite database with one SQL query.")
 
 
 def call(name: str, **arguments) -> str:

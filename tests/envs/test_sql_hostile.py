@@ -19,9 +19,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-
-from envs.sql import SqlQueryEnv, schemas
-from envs.sql.sandbox import HEAP_LIMIT_BYTES, MAX_FUNCTION_CALLS, MAX_TRIM_WORK, MAX_VALUE_BYTES, Sandbox, SqlError
+from cgym.envs.sql import SqlQueryEnv, schemas
+from cgym.envs.sql.sandbox import HEAP_LIMIT_BYTES, MAX_FUNCTION_CALLS, MAX_TRIM_WORK, MAX_VALUE_BYTES, Sandbox, SqlError
 
 BUDGET_S = 0.5
 LIMIT_S = 2.0  # the budget, plus one guarded call or a compile stopped by the heap ceiling, on a busy machine

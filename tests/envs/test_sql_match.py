@@ -1,11 +1,10 @@
 from __future__ import annotations
 
 import pytest
+from cgym.envs.sql.lexer import extract_query, split_statements, top_level_order_by, unconstrained_joins
+from cgym.envs.sql.match import Expected, compare, sort_positions, values_equal
 from hypothesis import given
 from hypothesis import strategies as st
-
-from envs.sql.lexer import extract_query, split_statements, top_level_order_by, unconstrained_joins
-from envs.sql.match import Expected, compare, sort_positions, values_equal
 
 ROWS = [("Ada", 3, 1.5), ("Ben", 2, 2.25), ("Cleo", 2, None)]
 

@@ -6,9 +6,8 @@ import time
 from pathlib import Path
 
 import pytest
-
-from envs.sql import schemas
-from envs.sql.sandbox import MAX_SQL_CHARS, Sandbox, SqlError
+from cgym.envs.sql import schemas
+from cgym.envs.sql.sandbox import MAX_SQL_CHARS, Sandbox, SqlError
 
 # Statements a hostile (or merely confused) model might write. Each must be refused or stopped.
 HOSTILE: list[str] = [

@@ -7,12 +7,11 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
-
-from envs.errors import InvalidChoiceError
-from envs.sql import schemas
-from envs.sql.match import compare
-from envs.sql.tasks import builtin_tasks, task_pool
-from envs.sql.templates import TEMPLATES
+from cgym.envs.errors import InvalidChoiceError
+from cgym.envs.sql import schemas
+from cgym.envs.sql.match import compare
+from cgym.envs.sql.tasks import builtin_tasks, task_pool
+from cgym.envs.sql.templates import TEMPLATES
 
 
 @pytest.mark.parametrize("schema", schemas.SCHEMAS)

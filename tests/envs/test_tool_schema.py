@@ -5,11 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from cgym.envs.errors import CgymError
+from cgym.envs.tools import Tool, ToolError, ToolSchemaError
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from envs.errors import CgymError
-from envs.tools import Tool, ToolError, ToolSchemaError
 
 PARAMETERS: dict[str, Any] = {
     "type": "object",
@@ -142,7 +141,7 @@ def test_from_function_follows_transformers_get_json_schema() -> None:
     chat templates use) except where that leaves JSON Schema: no "return", no OpenAPI "nullable",
     and an explicit empty "required". Kept our own: `envs` stays free of the transformers import."""
     get_json_schema = pytest.importorskip("transformers.utils").get_json_schema
-    import envs
+    from cgym import envs
 
     for env_id in ("cgym/ApiReport-v0", "cgym/SqlQuery-v0"):
         env = envs.make(env_id)

@@ -1,8 +1,7 @@
 from __future__ import annotations
 
 import pytest
-
-from envs.toolcall import ToolCall, parse_turn
+from cgym.envs.toolcall import ToolCall, parse_turn
 
 
 @pytest.mark.parametrize(

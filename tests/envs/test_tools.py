@@ -3,8 +3,7 @@ from __future__ import annotations
 from typing import Literal
 
 import pytest
-
-from envs.tools import Tool, ToolError
+from cgym.envs.tools import Tool, ToolError
 
 
 def lookup(customer_id: int, page: int = 1, mode: Literal["fast", "full"] = "fast", token: str | None = None, ratio: float = 1.0) -> dict:
@@ -79,7 +78,7 @@ def test_tools_rebuilt_at_each_reset_share_one_validator() -> None:
 
 def test_a_bad_schema_is_refused_every_time() -> None:
     """Failed builds are not cached: the second identical bad schema is refused too."""
-    from envs.tools import ToolSchemaError
+    from cgym.envs.tools import ToolSchemaError
 
     bad = {"name": "t", "parameters": {"type": "object", "properties": {"x": {"type": "integr"}}}}
     for _ in range(2):

@@ -5,11 +5,10 @@ import math
 
 import httpx
 import pytest
+from cgym.mock_apis.faults import FAULT_KINDS, Fault, FaultKind, FaultPlan, faulty_response
+from cgym.mock_apis.shop import ShopService, generate_shop
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from mock_apis.faults import FAULT_KINDS, Fault, FaultKind, FaultPlan, faulty_response
-from mock_apis.shop import ShopService, generate_shop
 
 rates = st.floats(min_value=0.0, max_value=1.0, allow_nan=False)
 seeds = st.integers(min_value=0, max_value=2**32)

@@ -11,9 +11,7 @@ import httpcore
 import httpx
 import pytest
 import respx
-
-import mock_apis
-from mock_apis.shop import (
+from cgym.mock_apis.shop import (
     BASE_URL,
     MAX_PER_PAGE,
     ShopData,
@@ -21,6 +19,8 @@ from mock_apis.shop import (
     generate_shop,
     mocked,
 )
+
+from cgym import mock_apis
 
 SEEDS = [0, 1, 7, 12345]
 

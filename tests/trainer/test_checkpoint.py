@@ -11,14 +11,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from cgym.envs.errors import CgymError
+from cgym.trainer import grpo
+from cgym.trainer.checkpoint import MANIFEST, STATE_FILE, CheckpointError, latest_checkpoint, load_state, save_checkpoint, verify_checkpoint
+from cgym.trainer.config import TrainConfig
+from cgym.trainer.finite import NonFiniteError, check_finite
+from cgym.trainer.grpo import rewind_metrics, train
 
-from envs.errors import CgymError
 from tests.trainer.test_grpo import ToyEnv  # one-turn toy env: the reward is the share of "a"
-from trainer import grpo
-from trainer.checkpoint import MANIFEST, STATE_FILE, CheckpointError, latest_checkpoint, load_state, save_checkpoint, verify_checkpoint
-from trainer.config import TrainConfig
-from trainer.finite import NonFiniteError, check_finite
-from trainer.grpo import rewind_metrics, train
 
 
 # -- a checkpoint without a real model: what the manifest and the state file must hold ---------
@@ -161,7 +161,7 @@ def fast(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from agents.tiny import build_tiny
+    from cgym.trainer.tiny import build_tiny
 
     rng = np.random.default_rng(0)
     words = ["banana", "apple", "cat", "aaa", "baba", "zzz", "data"]

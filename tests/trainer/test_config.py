@@ -5,11 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-
-from agents.evaluate import EvalConfig
-from agents.spec import SamplingOptions
-from envs.errors import CgymError, ConfigError
-from trainer.config import TrainConfig
+from cgym.agents.eval.evaluate import EvalConfig
+from cgym.agents.options import SamplingOptions
+from cgym.envs.errors import CgymError, ConfigError
+from cgym.trainer.config import TrainConfig
 
 
 @pytest.mark.parametrize(

@@ -12,11 +12,10 @@ import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
+from cgym.envs.errors import ConfigError
+from cgym.trainer.config import TrainConfig
+from cgym.trainer.distributed import World, check_divisible, global_normalizer
 from transformers import AutoModelForCausalLM
-
-from envs.errors import ConfigError
-from trainer.config import TrainConfig
-from trainer.distributed import World, check_divisible, global_normalizer
 
 pytestmark = pytest.mark.slow
 
@@ -31,7 +30,7 @@ def _toy(split: str) -> Any:
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from agents.tiny import build_tiny
+    from cgym.trainer.tiny import build_tiny
 
     words = ["banana", "apple", "cat", "dog", "tree", "sky", "aaa", "baba", "zzz", "hello", "world", "data"]
     rng = np.random.default_rng(0)
@@ -52,8 +51,8 @@ def _join(rank: int, size: int, port: int) -> None:
 
 def _steps_worker(rank: int, size: int, port: int, configs: list[TrainConfig], out: str) -> None:
     """setup + train_step for each config; saves this rank's weights and rows."""
-    from trainer.distributed import close_world, init_world
-    from trainer.grpo import setup, train_step
+    from cgym.trainer.distributed import close_world, init_world
+    from cgym.trainer.grpo import setup, train_step
 
     _join(rank, size, port)
     world = init_world()
@@ -67,7 +66,7 @@ def _steps_worker(rank: int, size: int, port: int, configs: list[TrainConfig], o
 
 
 def _train_worker(rank: int, size: int, port: int, config: TrainConfig, resume: bool) -> None:
-    from trainer.grpo import train
+    from cgym.trainer.grpo import train
 
     _join(rank, size, port)
     train(config, make_env=_toy, resume=resume)
@@ -81,7 +80,7 @@ def _spawn(fn: Any, *args: Any, size: int = 2) -> None:
 
 
 def _single(config: TrainConfig) -> dict[str, Any]:
-    from trainer.grpo import setup, train_step
+    from cgym.trainer.grpo import setup, train_step
 
     state = setup(config, make_env=_toy)
     rows = [train_step(state, step) for step in range(1, config.steps + 1)]
@@ -146,7 +145,7 @@ def test_tasks_per_step_must_split_into_whole_groups_per_rank() -> None:
 
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dapo", "dr_grpo"])
 def test_one_process_normalizer_is_the_loss_modules(loss_type: str) -> None:
-    from trainer.losses import token_normalizer
+    from cgym.trainer.losses import token_normalizer
 
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
     assert global_normalizer(mask, loss_type, 7, World()) == token_normalizer(mask, loss_type, 7)

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import cgym.agents.pretrained as pretrained
+import cgym.trainer.embedded as embedded
 import pytest
-
-import agents.pretrained as pretrained
-import trainer.embedded as embedded
-from agents.pretrained import ModelFetchError, resolve_model
+from cgym.agents.pretrained import ModelFetchError, resolve_model
 
 
 @pytest.fixture()

@@ -7,13 +7,12 @@ from typing import ClassVar
 import numpy as np
 import pytest
 import torch
+from cgym.envs.core import AgentEnv
+from cgym.envs.episode import Episode
+from cgym.envs.rubric import Check, CheckResult, Rubric
+from cgym.trainer.config import TrainConfig
+from cgym.trainer.grpo import setup, train, train_step
 from transformers import AutoModelForCausalLM
-
-from envs.core import AgentEnv
-from envs.episode import Episode
-from envs.rubric import Check, CheckResult, Rubric
-from trainer.config import TrainConfig
-from trainer.grpo import setup, train, train_step
 
 pytestmark = pytest.mark.slow
 
@@ -45,7 +44,7 @@ class ToyEnv(AgentEnv):
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from agents.tiny import build_tiny
+    from cgym.trainer.tiny import build_tiny
 
     words = ["banana", "apple", "cat", "dog", "tree", "sky", "aaa", "baba", "zzz", "hello", "world", "data"]
     rng = np.random.default_rng(0)
@@ -96,16 +95,16 @@ def test_resume_continues_exactly(tiny_model: Path, tmp_path: Path) -> None:
 
 def test_env_workers_reach_the_rollout_and_leave_the_step_unchanged(tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`workers` steps the rollout's envs on threads; the step's figures are those of 1 worker."""
-    import trainer.grpo
+    import cgym.trainer.grpo
 
     seen: list[int] = []
-    real = trainer.grpo.run_episodes
+    real = cgym.trainer.grpo.run_episodes
 
     def spy(*args, **kwargs):
         seen.append(kwargs["workers"])
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(trainer.grpo, "run_episodes", spy)
+    monkeypatch.setattr(cgym.trainer.grpo, "run_episodes", spy)
     rows = [train_step(setup(_config(tiny_model, tmp_path / f"w{n}", workers=n), make_env=_toy), 1) for n in (1, 3)]
     assert seen == [1, 3]
     for key in ("reward_mean", "loss", "train_tokens"):
@@ -151,7 +150,7 @@ def test_config_is_validated_at_parse_time(tmp_path: Path, overrides: dict) -> N
 
 
 def test_task_pool_draws_from_the_first_seeds_only(tiny_model: Path, tmp_path: Path) -> None:
-    from trainer.grpo import _draw_tasks
+    from cgym.trainer.grpo import _draw_tasks
 
     pooled = _config(tiny_model, tmp_path, task_pool=3)
     seeds = _draw_tasks(pooled, np.random.default_rng(0), 200)
@@ -166,8 +165,8 @@ def test_task_pool_draws_from_the_first_seeds_only(tiny_model: Path, tmp_path: P
 
 @pytest.mark.parametrize(("first_scored", "expected"), [(30, 24), (18, 18), (10, None)], ids=["whole-prefix", "cut-at-first-target", "too-short"])
 def test_the_batch_head_stops_at_the_shared_prefix_and_the_first_scored_target(monkeypatch: pytest.MonkeyPatch, first_scored: int, expected: int | None) -> None:
-    import trainer.grpo as grpo
-    from trainer.rollout import Batch
+    import cgym.trainer.grpo as grpo
+    from cgym.trainer.rollout import Batch
 
     ids = torch.cat([torch.arange(24).repeat(3, 1), torch.arange(100, 136).reshape(3, 12)], 1)  # rows share 24 ids, then differ
     mask = torch.zeros(3, 35)

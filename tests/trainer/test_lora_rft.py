@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from cgym.envs.episode import Episode
+from cgym.envs.rubric import Check, CheckResult, Rubric
+from cgym.trainer.grpo import setup, train, train_step
 
-from envs.episode import Episode
-from envs.rubric import Check, CheckResult, Rubric
 from tests.trainer.test_grpo import ToyEnv, _config, _toy, tiny_model  # noqa: F401  (tiny_model is a fixture)
-from trainer.grpo import setup, train, train_step
 
 
 def _has_a(episode: Episode) -> CheckResult:
@@ -29,7 +29,7 @@ peft = pytest.importorskip("peft")
 
 
 def test_rft_trains_only_on_verified_successes(tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
-    import trainer.grpo as grpo
+    import cgym.trainer.grpo as grpo
 
     seen: dict = {}
     real = grpo._update
@@ -58,7 +58,7 @@ def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 
 def test_lora_steps_leave_the_base_bit_identical_and_the_adapter_round_trips(tiny_model: Path, tmp_path: Path) -> None:  # noqa: F811
-    from agents.hf import HFPolicy
+    from cgym.agents.local.hf import HFPolicy
 
     config = _config(tiny_model, tmp_path / "lora", lora_r=4, steps=2, save_every=2, learning_rate=1e-2)
     state = setup(config, make_env=_toy)
@@ -70,7 +70,7 @@ def test_lora_steps_leave_the_base_bit_identical_and_the_adapter_round_trips(tin
     assert all(torch.equal(p, base[n]) for n, p in state.model.named_parameters() if "lora_" not in n)
     assert any(not torch.equal(p, adapter[n]) for n, p in state.model.named_parameters() if "lora_" in n)
 
-    from trainer.grpo import save
+    from cgym.trainer.grpo import save
 
     ids = torch.tensor([[1, 5, 9, 13, 17, 21, 25]])
     in_memory = _logits(state.model.eval(), ids)
@@ -98,10 +98,9 @@ def test_lora_run_resumes_exactly_and_saves_a_merged_final(tiny_model: Path, tmp
 
 def test_a_lora_wrapped_model_keeps_only_the_scored_logit_columns(tiny_model: Path) -> None:  # noqa: F811
     """The loss pass computes the LM head only where a log-prob is wanted, through peft's wrapper too."""
+    from cgym.agents.local.lora import with_lora
+    from cgym.agents.local.sampling import sequence_logprobs
     from transformers import AutoModelForCausalLM
-
-    from agents.sampling import sequence_logprobs
-    from agents.lora import with_lora
 
     widths: list[int] = []
     bare = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)

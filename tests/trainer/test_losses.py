@@ -6,10 +6,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-from trainer.losses import (
+from cgym.trainer.losses import (
     LOSS_TYPES,
     group_advantages,
     kl_k3,
@@ -18,6 +15,8 @@ from trainer.losses import (
     token_normalizer,
     unified_advantages,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 R2, R3 = math.sqrt(2), math.sqrt(3)
 
@@ -271,7 +270,7 @@ def test_micro_batches_match_full_batch(loss_type, num_micro):
 
 class TestUnifiedAdvantages:
     def test_equal_groups_match_group_advantages(self) -> None:
-        from trainer.losses import unified_advantages
+        from cgym.trainer.losses import unified_advantages
 
         rewards = torch.tensor([1.0, 0.0, 0.0, 2.0, 2.0, 5.0])
         groups = torch.tensor([0, 0, 0, 1, 1, 1])
@@ -279,7 +278,7 @@ class TestUnifiedAdvantages:
             assert torch.allclose(unified_advantages(rewards, groups, scale), group_advantages(rewards, 3, scale))
 
     def test_refinements_share_the_group_baseline(self) -> None:
-        from trainer.losses import unified_advantages
+        from cgym.trainer.losses import unified_advantages
 
         # 3 failed attempts (0) + 1 successful refinement (1) in group 0; group 1 all equal
         rewards = torch.tensor([0.0, 0.0, 0.0, 1.0, 3.0, 3.0])

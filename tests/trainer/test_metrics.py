@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
-from trainer.metrics import HackingMonitor, failed_outscoring, top_quartile_failed
-from trainer.rollout import Trajectory
+from cgym.trainer.metrics import HackingMonitor, failed_outscoring, top_quartile_failed
+from cgym.trainer.rollout import Trajectory
 
 
 def traj(reward: float, success: bool) -> Trajectory:
@@ -44,14 +43,14 @@ def test_monitor_warns_after_patience_only_when_failures_are_paid_like_successes
 
 
 def test_rolling_mean_averages_what_it_has() -> None:
-    from trainer.metrics import rolling_mean
+    from cgym.trainer.metrics import rolling_mean
 
     assert rolling_mean([1.0, 2.0, 3.0, 4.0], 2) == [1.0, 1.5, 2.5, 3.5]
     assert rolling_mean([5.0], 10) == [5.0] and rolling_mean([], 3) == []
 
 
 def test_step_bar_shows_generation_and_update_speeds() -> None:
-    from trainer.progress import speeds
+    from cgym.agents.eval.progress import speeds
 
     row = {"tokens_per_s": 96.4, "train_tokens": 1000, "step_time_s": 30.0, "rollout_time_s": 20.0}
     assert speeds(row) == "gen 96 tok/s train 100 tok/s"

@@ -7,10 +7,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from envs.errors import ConfigError
-from trainer.config import TrainConfig
-from trainer.grpo import _draw_envs, train
+from cgym.envs.errors import ConfigError
+from cgym.trainer.config import TrainConfig
+from cgym.trainer.grpo import _draw_envs, train
 
 API, SQL = "cgym/ApiReport-v0", "cgym/SqlQuery-v0"
 

@@ -6,10 +6,8 @@ import json
 from pathlib import Path
 
 import torch
+from cgym.trainer.quickstart import QuickstartPlan, run
 from rich.console import Console
-
-from trainer.quickstart import QuickstartPlan, run
-
 
 SMALL = dict(sft_demos=8, train_steps=1, group_size=2, tasks_per_step=2, eval_episodes=4, lora_r=4, learning_rate=1e-3)
 
@@ -50,9 +48,8 @@ def test_a_seed_gives_the_same_models_on_every_run(tmp_path: Path, tiny_chat_mod
 
 
 def test_embedded_model_drills_mix_copies_and_look_ups(monkeypatch, tmp_path: Path) -> None:
+    import cgym.trainer.embedded as pipeline
     from transformers import AutoTokenizer
-
-    import trainer.embedded as pipeline
 
     seen: list = []
     monkeypatch.setattr(pipeline, "fit", lambda model, drills, out, **kwargs: seen.extend(drills))

@@ -2,14 +2,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from agents.base import Conversation
-from agents.critics import parse_verdict, run_refinements
-from agents.episodes import EpisodeResult, run_episodes
-from agents.scripted import ScriptedPolicy
-from envs import make
-from trainer.refine import rebase, select_refinements, should_refine
-from trainer.rollout import Trajectory
+from cgym.agents.base import Conversation
+from cgym.agents.critics import parse_verdict, run_refinements
+from cgym.agents.eval.episodes import EpisodeResult, run_episodes
+from cgym.agents.scripted import ScriptedPolicy
+from cgym.envs import make
+from cgym.trainer.refine import rebase, select_refinements, should_refine
+from cgym.trainer.rollout import Trajectory
 
 
 def _result(prompt_len: int, messages: list[dict] | None = None, success: bool = False) -> EpisodeResult:
@@ -80,8 +79,8 @@ class _SelfCritic:
     name = "fake"
 
     def act(self, batch):
-        from agents.base import Turn
-        from agents.scripted.api_report import Oracle, SkipPagination
+        from cgym.agents.base import Turn
+        from cgym.agents.scripted.api_report import Oracle, SkipPagination
 
         out = []
         for conv in batch:
@@ -96,8 +95,8 @@ class _SelfCritic:
 
 
 def test_self_critique_refines_flagged_attempts() -> None:
-    from agents.evaluate import EvalConfig
-    from agents.self_critique import evaluate_with_self_critique
+    from cgym.agents.eval.evaluate import EvalConfig
+    from cgym.agents.self_critique import evaluate_with_self_critique
 
     report = evaluate_with_self_critique(_SelfCritic(), EvalConfig("cgym/ApiReport-v0", {"difficulty": "hard", "faults": 0.0, "split": "test"}, episodes=4))
     assert report["without"]["success_rate"] == 0.0

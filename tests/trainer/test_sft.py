@@ -8,13 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from cgym.agents.base import Conversation
+from cgym.agents.ledger import ChatEncoder, LedgerError
+from cgym.agents.local.hf import HFPolicy
+from cgym.trainer.sft import WARMUP, _schedule, fit, length_buckets, sft
+from cgym.trainer.tiny import build_tiny, copy_drills
 from transformers import AutoModelForCausalLM, AutoTokenizer
-
-from agents.base import Conversation
-from agents.chat import ChatEncoder, LedgerError
-from agents.hf import HFPolicy
-from agents.tiny import build_tiny, copy_drills
-from trainer.sft import WARMUP, _schedule, fit, length_buckets, sft
 
 SIZES = dict(
     vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, max_positions=1024
@@ -178,7 +177,7 @@ def test_schedule_warms_up_then_decays_to_a_tenth() -> None:
 def test_time_budget_drives_the_schedule(tiny_dir: Path, tmp_path: Path, monkeypatch) -> None:
     """A run cut by the clock has decayed its learning rate, however many steps it planned."""
     clock = iter(range(1000))
-    monkeypatch.setattr("trainer.sft.time.perf_counter", lambda: float(next(clock)))
+    monkeypatch.setattr("cgym.trainer.sft.time.perf_counter", lambda: float(next(clock)))
     seen: list[float] = []
     step = torch.optim.AdamW.step
 
@@ -205,9 +204,8 @@ def test_fit_trains_on_ready_examples(tiny_dir: Path, tokenizer, tmp_path: Path)
 
 @pytest.mark.parametrize("micro", [1, 3, 8], ids=["rows-1", "rows-3", "whole"])
 def test_micro_batches_give_the_whole_batch_gradient(tiny_chat_model, micro: int) -> None:
+    from cgym.trainer.sft import accumulate_sft_loss, collate, sft_loss
     from transformers import AutoModelForCausalLM
-
-    from trainer.sft import accumulate_sft_loss, collate, sft_loss
 
     model = AutoModelForCausalLM.from_pretrained(tiny_chat_model)
     rows = [(list(range(5, 5 + n)), [0] * (n // 2) + [1] * (n - n // 2)) for n in (6, 9, 12, 15, 20, 7)]
@@ -223,6 +221,6 @@ def test_micro_batches_give_the_whole_batch_gradient(tiny_chat_model, micro: int
 
 @pytest.mark.parametrize(("width", "rows"), [(100, 4), (900, 3), (1400, 1), (5000, 1)], ids=["short", "easy", "medium", "huge"])
 def test_long_demos_get_fewer_rows_per_micro_batch(width: int, rows: int) -> None:
-    from trainer.sft import rows_within_budget
+    from cgym.trainer.sft import rows_within_budget
 
     assert rows_within_budget(width, 4) == rows

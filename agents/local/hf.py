@@ -1,0 +1,201 @@
+"""`hf:<name-or-path>`: a local transformers causal LM as a policy, with a token-exact ledger.
+
+Any causal LM whose tokenizer has a chat template works (the embedded tiny model, or e.g.
+Qwen2.5-0.5B-Instruct by name). Each `act` syncs every conversation's ledger, samples the whole
+batch in one KV-cached decode loop and appends the sampled ids and log-probs to the ledgers, so
+a trainer later learns from exactly those tokens (see `agents.ledger`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from cgym.agents.base import Conversation, Turn
+from cgym.agents.ledger import ChatEncoder
+from cgym.agents.local.allocator import keep_freed_memory
+from cgym.agents.local.batching import kv_budgets, kv_bytes_per_token, length_chunks
+from cgym.agents.local.kv_cache import PrefixCache
+from cgym.agents.local.precision import SamplingWeights, compute_dtype
+from cgym.agents.local.sampling import LOOKUP_TOKENS, Sample, SamplingParams, sample_batch
+from cgym.agents.local.turn_cache import TurnCache
+from cgym.agents.options import SamplingOptions
+from cgym.agents.pretrained import SHORT_NAMES, resolve_model
+from cgym.envs.errors import CgymError
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+NOT_SAMPLED = Sample(ids=[], logprobs=[], stopped=False)  # the turn of a conversation past max_context
+
+MODEL_FORMS = f"give a local model directory, a .gguf file, a short name ({', '.join(SHORT_NAMES)}) or a hub name such as Qwen/Qwen2.5-0.5B-Instruct"
+
+
+class ModelLoadError(CgymError, OSError):
+    """A model that is neither a local model directory nor loadable from the hub."""
+
+
+class HFPolicy:
+    """Samples assistant turns from a transformers model; keeps each conversation's ledger.
+
+    `temperature` 0 is greedy (log-probs then at temperature 1). Log-probs are those of
+    `log_softmax(logits / temperature)`; top-p is not reflected in them. With a `seed`, the
+    same sequence of `act` calls gives the same turns.
+
+    `max_context` (default: the model config's `max_position_embeddings`) ends conversations the
+    model was not trained to read: one whose ledger already holds that many tokens is not
+    sampled, and gets an empty turn, cut like one that hit `max_new_tokens` (its end-of-turn
+    token unsampled, `Turn.truncated`), which the env then scores as it scores any empty reply.
+    `context_cuts` counts such turns. None: no limit.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        temperature: float = SamplingOptions.temperature,
+        top_p: float = SamplingOptions.top_p,
+        max_new_tokens: int = SamplingOptions.max_new_tokens,
+        device: str | torch.device = "cpu",
+        seed: int | None = None,
+        name: str | None = None,
+        draft_tokens: int = LOOKUP_TOKENS,
+        max_context: int | None | Literal["model"] = "model",
+    ) -> None:
+        if max_context == "model":
+            max_context = getattr(model.config, "max_position_embeddings", None)
+        if max_context is not None and (isinstance(max_context, bool) or not isinstance(max_context, int) or max_context < 1):
+            raise ValueError(f"max_context must be a positive int, None (no limit) or 'model', got {max_context!r}")
+        self.max_context = max_context
+        self.context_cuts = 0  # turns not sampled because the conversation filled max_context
+        self.draft_tokens = draft_tokens  # prompt-lookup drafts per step once few rows are left (0: off)
+        self.params = SamplingParams(
+            temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens
+        )
+        self.model = model.to(device).eval()
+        self.tokenizer = tokenizer
+        self.encoder = ChatEncoder(tokenizer)
+        self.prefix_cache = PrefixCache()  # the system prompt's keys/values, shared by every episode
+        self.batch_budget, turn_budget = kv_budgets()  # bytes: one sampling chunk's cache; the turn cache
+        self.turn_cache: TurnCache | None = TurnCache(turn_budget)  # each live conversation's keys/values, for its next turn
+        self.sampling_weights = SamplingWeights(self.model)
+        self.generator = torch.Generator(device=device)
+        if seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(seed)
+        self.name = name or f"hf:{getattr(model, 'name_or_path', '') or type(model).__name__}"
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        name_or_path: str | Path,
+        *,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | None = None,
+        **kw: Any,
+    ) -> HFPolicy:
+        """Load model and tokenizer by short name (`smollm2-135m`, `tiny`; fetched on first use),
+        local directory, GGUF file or hub name.
+
+        `dtype` defaults to the compute dtype (`agents.local.precision`: bf16 on GPUs and on CPUs with
+        native bf16), the dtype sampling runs in, so a policy that only samples holds one copy
+        of the weights. A trainer passes float32 for its master weights and samples from a
+        bf16 copy."""
+        if dtype is None:
+            dtype = compute_dtype(device)
+        if torch.device(device).type == "cpu":
+            keep_freed_memory()
+        path = resolve_model(name_or_path)
+        if _looks_local(path) and not Path(path).expanduser().exists():
+            raise ModelLoadError(f"no model at {path}: that directory does not exist ({MODEL_FORMS})")
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        except (OSError, ValueError) as exc:  # transformers: not a model directory, not on the hub, offline
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ModelLoadError(f"cannot load the model {str(name_or_path)!r}: {reason}") from None
+        return cls(model, tokenizer, device=device, name=f"hf:{name_or_path}", **kw)
+
+    def reseed(self, seed: int) -> None:
+        """Seed the sampler: the same `act` calls after the same seed give the same turns."""
+        self.generator.manual_seed(seed)
+
+    @property
+    def stop_ids(self) -> set[int]:
+        """End-of-turn, the tokenizer's eos and the generation config's eos ids."""
+        ids = {self.encoder.end_of_turn_id}
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        extra = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+        ids.update([extra] if isinstance(extra, int) else (extra or []))
+        return ids
+
+    def act(self, batch: Sequence[Conversation]) -> list[Turn]:
+        """Sync the ledgers, sample one turn per conversation that still fits `max_context` (rows
+        of similar length decode together, `agents.local.batching`; the others get an empty cut turn),
+        record it."""
+        for conv in batch:
+            self.encoder.sync(conv)
+        if self.sampling_weights.model is not self.model:  # the model was swapped (e.g. wrapped in LoRA)
+            self.sampling_weights = SamplingWeights(self.model)
+        model = self.sampling_weights.get()
+        rows = [row for row, conv in enumerate(batch) if self.max_context is None or len(conv.token_ids) < self.max_context]
+        if self.turn_cache is not None:
+            self.turn_cache.keep_only({id(batch[row]) for row in rows})
+        samples: dict[int, Sample] = {}
+        for chunk in self._chunks(model, [batch[row] for row in rows]):
+            chunk_rows = [rows[i] for i in chunk]
+            samples.update(zip(chunk_rows, self._sample(model, [batch[row] for row in chunk_rows]), strict=True))
+        self.context_cuts += len(batch) - len(rows)
+        return [self._record(conv, samples.get(row, NOT_SAMPLED)) for row, conv in enumerate(batch)]
+
+    def _chunks(self, model: PreTrainedModel, batch: Sequence[Conversation]) -> list[list[int]]:
+        """Rows that sample together (`agents.local.batching`): similar lengths, within the budget."""
+        per_token = kv_bytes_per_token(model.config, model.dtype.itemsize)
+        lengths = [len(conv.token_ids) for conv in batch]
+        return length_chunks(lengths, room=self.params.max_new_tokens, bytes_per_token=per_token, budget=self.batch_budget)
+
+    def _sample(self, model: PreTrainedModel, convs: Sequence[Conversation]) -> list[Sample]:
+        pad_id = self.tokenizer.pad_token_id
+        return sample_batch(
+            model,
+            [conv.token_ids for conv in convs],
+            params=self.params,
+            stop_ids=self.stop_ids,
+            pad_id=pad_id if pad_id is not None else self.encoder.end_of_turn_id,
+            generator=self.generator,
+            prefix_cache=self.prefix_cache,
+            turn_cache=self.turn_cache,
+            turn_keys=[id(conv) for conv in convs],
+            draft_tokens=self.draft_tokens,
+        )
+
+    def _record(self, conv: Conversation, sample: Sample) -> Turn:
+        """Append a sample to the ledger and make its Turn.
+
+        A turn that stopped on another eos than the end-of-turn token (e.g. `<|endoftext|>`) drops
+        that token and is closed like a cut turn, so the ledger keeps the template's layout.
+        """
+        ended = sample.stopped and sample.ids[-1] == self.encoder.end_of_turn_id
+        keep = len(sample.ids) - (sample.stopped and not ended)
+        ids, logprobs = sample.ids[:keep], sample.logprobs[:keep]
+        self.encoder.append_sampled(conv, ids, logprobs, ended=ended)
+        text_ids = ids[:-1] if ended else ids
+        text = self.tokenizer.decode(
+            text_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False
+        )
+        return Turn(
+            text=text, token_ids=tuple(ids), logprobs=tuple(logprobs), truncated=not sample.stopped
+        )
+
+
+def _looks_local(name: str) -> bool:
+    """A filesystem path rather than a hub id (`org/name`): absolute, `./`, `../`, `~` or deeper than one slash."""
+    return Path(name).is_absolute() or name.startswith((".", "~")) or name.count("/") > 1

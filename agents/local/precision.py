@@ -1,0 +1,87 @@
+"""bf16 compute on CPUs that have it, fp32 master weights everywhere.
+
+On this project's 2-core machines (AVX512-BF16) a bf16 matmul ran ~2-3x faster than fp32, and a
+batched decode step ~1.7x. Sampling uses a bf16 copy of the weights (`SamplingWeights`), the
+training passes run under autocast, and every log-softmax is taken in fp32. `CGYM_DTYPE=float32`
+turns bf16 off.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from contextlib import AbstractContextManager, nullcontext
+from functools import cache
+
+import torch
+from cgym.agents.local.kv_cache import weights_version
+from cgym.agents.local.lora import has_adapters, merged
+
+DTYPE_ENV = "CGYM_DTYPE"
+
+
+@cache
+def cpu_has_bf16() -> bool:
+    """Whether this CPU runs bf16 matmuls natively (oneDNN's check: AVX512-BF16 or AMX)."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def compute_dtype(device: torch.device | str = "cpu") -> torch.dtype:
+    """bf16 on GPUs and on CPUs with native bf16, else fp32; `CGYM_DTYPE` overrides."""
+    forced = os.environ.get(DTYPE_ENV, "").strip().lower()
+    if forced in ("float32", "fp32"):
+        return torch.float32
+    if forced in ("bfloat16", "bf16"):
+        return torch.bfloat16
+    if torch.device(device).type != "cpu":
+        return torch.bfloat16
+    return torch.bfloat16 if cpu_has_bf16() else torch.float32
+
+
+def autocast(model: torch.nn.Module) -> AbstractContextManager[object]:
+    """Autocast to the compute dtype for a forward pass of fp32 `model` (a no-op in fp32)."""
+    device = next(model.parameters()).device
+    dtype = compute_dtype(device)
+    if dtype == torch.float32 or next(model.parameters()).dtype != torch.float32:
+        return nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+class SamplingWeights:
+    """A copy of `model` in the compute dtype for sampling, refreshed when the weights change.
+
+    Autocast re-casts every weight at every decode step; a copy made once per optimizer step
+    costs one cast of the weights. Where the compute dtype is the model's own, it is the model.
+    A LoRA-wrapped model's copy has its adapters folded in, so sampling runs a plain model.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self._copy: torch.nn.Module | None = None
+        self._version: tuple[int, int] | None = None
+
+    @property
+    def separate(self) -> bool:
+        """Whether sampling runs on a copy in another dtype (its log-probs then differ a little)."""
+        params = next(self.model.parameters())
+        return compute_dtype(params.device) != params.dtype
+
+    def get(self) -> torch.nn.Module:
+        if not self.separate:
+            return self.model
+        dtype = compute_dtype(next(self.model.parameters()).device)
+        version = weights_version(self.model)
+        if has_adapters(self.model):  # LoRA: fold the adapters into a fresh plain copy at each new version
+            if self._copy is None or version != self._version:
+                self._copy = merged(self.model).to(dtype).eval().requires_grad_(False)
+        elif self._copy is None:
+            self._copy = copy.deepcopy(self.model).to(dtype).eval().requires_grad_(False)
+        elif version != self._version:
+            with torch.no_grad():
+                for dst, src in zip(self._copy.parameters(), self.model.parameters(), strict=True):
+                    dst.copy_(src)
+        self._version = version
+        return self._copy

@@ -1,0 +1,81 @@
+"""accept_drafts: which drafted ids a step keeps, greedy and sampled.
+
+Sampled rows run speculative sampling against a one-id draft. Its promise is about
+distributions: each emitted id follows the distribution one-at-a-time sampling draws from. The
+tests check that on many rows with the same logits and a fixed seed (so they cannot flake): a
+tally per position, against the softmax it should match.
+"""
+
+from __future__ import annotations
+
+import torch
+from cgym.agents.local.sampling import SamplingParams, accept_drafts
+
+ROWS = 60_000
+# (n, V) logits after a row's last id and after each of its two drafts
+LOGITS = torch.tensor([[2.0, 0.5, 0.0, -1.0, 1.0], [0.0, 1.0, 1.2, -0.5, 0.3], [0.2, 0.2, 1.5, 0.0, -2.0]])
+DRAFTS = [0, 2]  # p_0(0) is about 0.6, p_1(2) about 0.4: every branch sees thousands of rows
+
+
+def _run(params: SamplingParams, logits: torch.Tensor = LOGITS, drafts: list[int] = DRAFTS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return accept_drafts(logits.expand(ROWS, -1, -1), torch.tensor([drafts]).expand(ROWS, -1), params, torch.Generator().manual_seed(0))
+
+
+def _tally(ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    return torch.bincount(ids, minlength=vocab).double() / len(ids)
+
+
+def _target(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution one-at-a-time sampling draws from: softmax at the temperature, then
+    the top-p set renormalised."""
+    p = torch.softmax(logits.double() / params.temperature, -1)
+    if params.top_p < 1.0:
+        order = p.argsort(descending=True)
+        before = p[order].cumsum(0) - p[order]
+        p = p.clone()
+        p[order[before >= params.top_p]] = 0
+        p /= p.sum()
+    return p
+
+
+def _assert_each_id_follows_its_distribution(params: SamplingParams) -> None:
+    ids, logprobs, emit = _run(params)
+    vocab = LOGITS.shape[1]
+    first_kept = ids[:, 0] == DRAFTS[0]
+    both_kept = first_kept & (ids[:, 1] == DRAFTS[1])
+    assert set(emit.tolist()) == {1, 2, 3}
+    assert bool((emit[~first_kept] == 1).all()) and bool((emit[first_kept & ~both_kept] == 2).all()) and bool((emit[both_kept] == 3).all())
+    # the first id follows p_0; after a kept draft the next follows p_1, after both p_2
+    for position, rows in ((0, torch.ones(ROWS, dtype=torch.bool)), (1, first_kept), (2, both_kept)):
+        torch.testing.assert_close(_tally(ids[rows, position], vocab), _target(LOGITS[position], params), atol=0.015, rtol=0)
+    expected = torch.log_softmax(LOGITS / params.temperature, -1)  # stored log-probs: temperature only, as `_pick`
+    for position in range(3):
+        rows = emit > position
+        torch.testing.assert_close(logprobs[rows, position], expected[position][ids[rows, position]])
+
+
+def test_sampled_drafts_keep_the_distribution_of_one_id_at_a_time() -> None:
+    _assert_each_id_follows_its_distribution(SamplingParams(temperature=1.0))
+    _assert_each_id_follows_its_distribution(SamplingParams(temperature=0.7))
+
+
+def test_sampled_drafts_keep_the_top_p_distribution() -> None:
+    params = SamplingParams(temperature=1.0, top_p=0.7)
+    _assert_each_id_follows_its_distribution(params)
+    outside = int(_target(LOGITS[0], params).argmin())  # an id the top-p set leaves out
+    ids, _, emit = _run(params, drafts=[outside, 2])
+    assert bool((emit == 1).all()) and not bool((ids[:, 0] == outside).any())
+
+
+def test_a_sure_draft_is_always_kept() -> None:
+    logits = LOGITS.clone()
+    logits[0] = torch.tensor([0.0, -1e4, -1e4, -1e4, -1e4])  # all of p_0's mass on id 0
+    ids, _, emit = _run(SamplingParams(temperature=1.0), logits=logits)
+    assert bool((ids[:, 0] == 0).all()) and bool((emit >= 2).all())
+
+
+def test_greedy_keeps_the_drafts_that_match_the_argmax() -> None:
+    logits = torch.stack([LOGITS, LOGITS])  # argmax: 0, then 2, then 2
+    ids, logprobs, emit = accept_drafts(logits, torch.tensor([[0, 2], [0, 1]]), SamplingParams(temperature=0.0), None)
+    assert ids.tolist() == [[0, 2, 2], [0, 2, 2]] and emit.tolist() == [3, 2]
+    torch.testing.assert_close(logprobs[0], torch.log_softmax(LOGITS, -1)[[0, 1, 2], [0, 2, 2]])

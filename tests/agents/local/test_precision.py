@@ -1,0 +1,87 @@
+"""bf16 where the CPU has it: the sampling copy, its log-prob agreement, and the fp32 fallback."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from cgym.agents.base import Conversation
+from cgym.agents.local.hf import HFPolicy
+from cgym.agents.local.precision import DTYPE_ENV, SamplingWeights, autocast, compute_dtype, cpu_has_bf16
+from cgym.agents.local.sampling import sequence_logprobs
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+# bf16 keeps 8 bits of mantissa: on the tiny model the sampler's and the autocast training pass's
+# log-probs of the same tokens agree to within this (SmolLM2: up to ~0.2 nats, see the README).
+BF16_ATOL = 0.25
+
+
+def _conversation() -> Conversation:
+    return Conversation([{"role": "system", "content": "You write JSON reports."}, {"role": "user", "content": "Report customer 7."}])
+
+
+def test_fp32_fallback_uses_the_model_itself(tiny_chat_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(DTYPE_ENV, "float32")
+    model = AutoModelForCausalLM.from_pretrained(tiny_chat_model)
+    assert compute_dtype() == torch.float32
+    weights = SamplingWeights(model)
+    assert not weights.separate and weights.get() is model
+    assert not torch.is_autocast_enabled("cpu") and type(autocast(model)).__name__ == "nullcontext"
+
+
+@pytest.mark.skipif(not cpu_has_bf16(), reason="this CPU has no native bf16")
+def test_bf16_sampling_agrees_with_the_training_pass(tiny_chat_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(DTYPE_ENV, "bfloat16")
+    model = AutoModelForCausalLM.from_pretrained(tiny_chat_model)
+    policy = HFPolicy(model, AutoTokenizer.from_pretrained(tiny_chat_model), max_new_tokens=24, seed=0)
+    conv = _conversation()
+    policy.act([conv])
+    sampler = policy.sampling_weights.get()
+    assert sampler is not model and next(sampler.parameters()).dtype == torch.bfloat16
+    assert next(model.parameters()).dtype == torch.float32  # master weights stay fp32
+    ids = torch.tensor([conv.token_ids])
+    with torch.no_grad(), autocast(model):
+        trained = sequence_logprobs(model, ids, torch.ones_like(ids))[0]
+    mask = torch.tensor(conv.loss_mask[1:], dtype=torch.bool)
+    stored = torch.tensor(conv.logprobs[1:])
+    diff = (trained[mask] - stored[mask]).abs()
+    assert mask.any() and float(diff.max()) < BF16_ATOL
+    assert abs(float(torch.exp(trained[mask] - stored[mask]).mean()) - 1.0) < 0.05
+
+
+@pytest.mark.skipif(not cpu_has_bf16(), reason="this CPU has no native bf16")
+def test_the_sampling_copy_follows_weight_updates(tiny_chat_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(DTYPE_ENV, "bfloat16")
+    model = AutoModelForCausalLM.from_pretrained(tiny_chat_model)
+    weights = SamplingWeights(model)
+    assert weights.separate
+    first = weights.get()
+    with torch.no_grad():
+        model.model.embed_tokens.weight.add_(1.0)
+    again = weights.get()
+    assert again is first  # refreshed in place, not rebuilt
+    torch.testing.assert_close(again.model.embed_tokens.weight.float(), model.model.embed_tokens.weight, atol=0.05, rtol=0.01)
+
+
+def test_a_lora_models_sampling_copy_is_plain_with_the_adapters_folded_in(tiny_chat_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sampling a LoRA-wrapped model runs a plain bf16 model (no adapter matmuls per decode step)
+    that follows the adapters as they train."""
+    pytest.importorskip("peft")
+    from cgym.agents.local.lora import with_lora
+
+    monkeypatch.setenv(DTYPE_ENV, "bfloat16")
+    model = with_lora(AutoModelForCausalLM.from_pretrained(tiny_chat_model, dtype=torch.float32), 4)
+    weights = SamplingWeights(model)
+    ids = torch.tensor([[1, 5, 9, 13, 17, 21]])
+    for _ in range(2):  # as built, and after the adapters moved
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_B" in name:
+                    param.add_(0.05)
+            expected = model(input_ids=ids).logits
+        copy = weights.get()
+        assert not any("lora" in name for name, _ in copy.named_parameters())
+        assert next(copy.parameters()).dtype == torch.bfloat16
+        with torch.no_grad():
+            torch.testing.assert_close(copy(input_ids=ids).logits.float(), expected, atol=0.1, rtol=0.05)

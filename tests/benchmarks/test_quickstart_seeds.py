@@ -1,0 +1,33 @@
+"""Pooling quickstart runs: GRPO's own gain per seed and over seeds, paired on the same episodes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from cgym.benchmarks.quickstart_seeds import summarize
+
+LABELS = ["prompt-only (the instruct model as shipped)", "SFT", "SFT + GRPO"]
+
+
+def _fake_run(directory: Path, outcomes: dict[str, list[int]]) -> Path:
+    directory.mkdir(parents=True)
+    arms = {label: {"per_episode": [{"seed": 10_000 + i, "success": bool(v)} for i, v in enumerate(outcomes[label.split(" (")[0]])]} for label in LABELS}
+    (directory / "compare.json").write_text(json.dumps({"labels": LABELS, "arms": arms}))
+    rates = {label.split(" (")[0]: sum(v) / len(v) for label, v in ((lbl, outcomes[lbl.split(" (")[0]]) for lbl in LABELS)}
+    (directory / "quickstart.json").write_text(json.dumps({"arms": rates, "grpo_gain": {}, "timings_s": {"total": 500.0}}))
+    return directory
+
+
+def test_gains_pool_over_seeds_on_the_same_episodes(tmp_path: Path) -> None:
+    runs = {
+        0: _fake_run(tmp_path / "s0", {"prompt-only": [0, 0, 0, 0], "SFT": [0, 1, 0, 1], "SFT + GRPO": [1, 1, 1, 1]}),
+        1: _fake_run(tmp_path / "s1", {"prompt-only": [0, 0, 0, 0], "SFT": [1, 1, 0, 1], "SFT + GRPO": [1, 1, 0, 1]}),
+    }
+    result = summarize(runs)
+    gain = result["pooled"]["grpo_gain (SFT + GRPO - SFT)"]
+    assert result["seeds"] == [0, 1] and gain["seeds"] == 2 and gain["episodes"] == 4
+    assert gain["mean"] == pytest.approx(2 / 8) and gain["gained"] == 2 and gain["lost"] == 0
+    assert result["pooled"]["SFT + GRPO - prompt-only"]["mean"] == pytest.approx(7 / 8)
+    assert result["total_s"] == {0: 500.0, 1: 500.0}
