@@ -48,12 +48,44 @@ def summarize(runs: dict[int, Path]) -> dict[str, Any]:
     }
 
 
+def plot(result: dict[str, Any], path: Path) -> None:
+    """Test success of each arm, seed by seed, with GRPO's own gain and its interval written above."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = ["prompt-only", "SFT", "SFT + GRPO"]
+    per_seed = {int(k): v for k, v in result["per_seed"].items()}  # JSON keys are strings
+    seeds = sorted(per_seed)
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    width = 0.8 / len(labels)
+    for i, label in enumerate(labels):
+        xs = [n + i * width for n in range(len(seeds))]
+        ax.bar(xs, [per_seed[s]["arms"][label] for s in seeds], width, label=label, color=f"C{i}")
+    for n, s in enumerate(seeds):
+        gain = per_seed[s]["grpo_gain"]
+        top = per_seed[s]["arms"]["SFT + GRPO"]
+        ax.annotate(f"GRPO {100 * gain['mean']:+.0f} [{100 * gain['low']:+.0f}, {100 * gain['high']:+.0f}]", (n + width, top + 0.02), ha="center", fontsize=8)
+    ax.set_xticks([n + width for n in range(len(seeds))], [f"seed {s}" for s in seeds])
+    ax.set_ylim(0, 1.25)
+    ax.set_ylabel("greedy test success (100 episodes)")
+    ax.set_title("cgym quickstart, SmolLM2-135M, ApiReport easy: GRPO's own gain (points, paired 95% interval)", fontsize=9)
+    ax.legend(fontsize=8, loc="upper center", ncol=3)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--out", type=Path, default=Path("runs/quickstart"))
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--plot", type=Path, help="PNG: each arm's success per seed, GRPO's gain above")
     args = parser.parse_args(argv)
     from cgym.trainer.quickstart import QuickstartPlan, run
 
@@ -64,6 +96,8 @@ def main(argv: list[str] | None = None) -> None:
             run(runs[seed], QuickstartPlan(model=args.model, seed=seed))
     result = {"command": "python -m cgym.benchmarks.quickstart_seeds " + " ".join(sys.argv[1:] if argv is None else argv), "plan": asdict(QuickstartPlan(model=args.model)), **summarize(runs)}
     emit(result, args.json)
+    if args.plot:
+        plot(result, args.plot)
 
 
 if __name__ == "__main__":

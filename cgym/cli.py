@@ -109,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_env(p)
     p.add_argument("--policy", required=True, help=POLICY_HELP)
     add_config_options(p, EvalConfig, types=EVAL_TYPES, skip=("env_id", "env_kwargs"))
-    p.add_argument("--split", choices=["train", "test"], default="test", help="task split, for envs that take one")
+    p.add_argument("--split", default="test", help="the task split, passed to envs that take a `split` kwarg: any value the env accepts, or 'none' to leave the env's own default; a split in --env-kwargs wins (default: %(default)s)")
     p.add_argument("--self-critique", action="store_true", help="the policy critiques its own answer and refines once; report both")
     p.add_argument("--json", type=Path)
     _add_sampling(p)

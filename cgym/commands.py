@@ -38,11 +38,15 @@ def _sampling(args: argparse.Namespace) -> Any:
     return SamplingOptions(**config_kwargs(args, SamplingOptions))
 
 
+NO_SPLIT = "none"
+
+
 def _with_split(env_id: str, env_kwargs: dict[str, Any], split: str) -> dict[str, Any]:
-    """`split` then the user's kwargs, for an env that takes a `split`; the kwargs alone otherwise."""
+    """`split` then the user's kwargs, for an env that takes a `split`; the kwargs alone otherwise
+    (and with split 'none', which leaves the env's own default)."""
     from cgym.envs.registration import takes_kwarg
 
-    return {"split": split, **env_kwargs} if takes_kwarg(env_id, "split") else dict(env_kwargs)
+    return {"split": split, **env_kwargs} if split != NO_SPLIT and takes_kwarg(env_id, "split") else dict(env_kwargs)
 
 
 def _eval_config(args: argparse.Namespace, split: str) -> Any:

@@ -183,10 +183,10 @@ class AgentEnv(gym.Env[str, str]):
         episode = self._episode
         if episode is None or self._score is not None:
             raise ResetNeeded("call reset() before step(), and again after an episode ends")
-        text = action if isinstance(action, str) else str(action)
+        text = valid_unicode(action if isinstance(action, str) else str(action))
         index = len(episode.steps) + 1
         self._turn_deadline = time.perf_counter() + self.turn_time_s
-        self._messages.append({"role": "assistant", "content": text})
+        self._messages.append({"role": "assistant", "content": text if len(text) <= MAX_ACTION_CHARS else refused_excerpt(text)})
         record, observation = self._take_turn(text, index)
         episode.steps.append(record)
         terminated = self._final_answer is not None
@@ -242,7 +242,7 @@ class AgentEnv(gym.Env[str, str]):
     def _take_turn(self, text: str, index: int) -> tuple[StepRecord, str]:
         """Refuse an over-long action unread, run a tool turn, or take the text as the final answer."""
         if len(text) > MAX_ACTION_CHARS:
-            record = StepRecord(index, text)
+            record = StepRecord(index, refused_excerpt(text))  # never kept whole: a client could fill memory with them
             message = f"The turn is {len(text)} characters long; the limit is {MAX_ACTION_CHARS}, so it was not read."
             return record, self._refuse(record, "action_too_long", message, "invalid_action", MAX_ACTION_CHARS, len(text))
         parsed = self._parse(text)
@@ -374,6 +374,21 @@ def _task_tuple(tasks: Iterable[Task]) -> tuple[Task, ...]:
 
 def _clip(text: str, limit: int = 200) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+REFUSED_PREFIX_CHARS = 200
+_SURROGATES = re.compile("[\ud800-\udfff]")
+
+
+def valid_unicode(text: str) -> str:
+    """`text` with lone surrogates (which no UTF-8 encoder takes) replaced by U+FFFD, once, where
+    an action enters the env: every message, record and critique made from it then serialises."""
+    return _SURROGATES.sub("\ufffd", text) if _SURROGATES.search(text) else text
+
+
+def refused_excerpt(text: str) -> str:
+    """What is kept of an over-long action: its length and a short prefix."""
+    return f"{text[:REFUSED_PREFIX_CHARS]}... [{len(text)} characters, refused unread]"
 
 
 def _clean(text: str) -> str:

@@ -7,6 +7,20 @@ from pathlib import Path
 import pytest
 from cgym.agents.local.precision import DTYPE_ENV
 
+TIMING_RERUNS = 2
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A `timing` test asserts a time bound (a hostile query stops within 2 s, threads overlap
+    their waits). A loaded or slower machine can miss the bound once; a real regression misses it
+    every time. So such a test runs up to 1 + TIMING_RERUNS times, on a failed assertion only
+    (pytest-rerunfailures, which the test extra installs; without it, once)."""
+    if not config.pluginmanager.hasplugin("rerunfailures"):
+        return
+    for item in items:
+        if item.get_closest_marker("timing"):
+            item.add_marker(pytest.mark.flaky(reruns=TIMING_RERUNS, only_rerun=["AssertionError"]))
+
 
 @pytest.fixture(autouse=True)
 def fp32_by_default(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -156,25 +156,42 @@ def _max_turns(factory: EnvFactory) -> int:
     return turns
 
 
-def rewind_metrics(path: Path, step: int) -> None:
+def rewind_metrics(path: Path, step: int) -> list[int]:
     """Keep the metrics rows up to `step` (none at 0), so the steps a resume re-runs are logged once.
 
-    A row torn by a crash mid-write is dropped with the rest of the tail.
+    Every readable row up to `step` is kept, whatever lines around it fail to parse (a row torn by
+    a crash, a stray line): those are skipped and their 1-based line numbers returned (and
+    warned about). Nothing is lost: the file as it was is kept beside it as `metrics.jsonl.N.bak`.
     """
-    if step == 0 or not path.exists():
-        path.unlink(missing_ok=True)
-        return
+    if not path.exists():
+        return []
+    if step == 0:
+        path.unlink()
+        return []
+    lines = path.read_text(errors="replace").splitlines()
     kept: list[str] = []
-    for line in filter(str.strip, path.read_text().splitlines()):
+    bad: list[int] = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
         try:
             row = json.loads(line)
         except ValueError:
-            break
-        if row.get("step", 0) <= step:
+            row = None
+        if not isinstance(row, dict) or not isinstance(row.get("step", 0), int):
+            bad.append(number)
+        elif row.get("step", 0) <= step:
             kept.append(line + "\n")
+    if len(kept) == len(lines):
+        return bad
+    backup = next(candidate for n in range(1, 10_000) if not (candidate := path.with_name(f"{path.name}.{n}.bak")).exists())
+    path.replace(backup)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(kept))
     tmp.replace(path)
+    if bad:
+        warnings.warn(f"{path}: skipped unreadable line(s) {bad[:10]}{' ...' if len(bad) > 10 else ''}; the file as it was is kept as {backup.name}", stacklevel=2)
+    return bad
 
 
 def _critic(config: TrainConfig) -> Any:

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from cgym.benchmarks.quickstart_seeds import summarize
+from cgym.benchmarks.quickstart_seeds import plot, summarize
 
 LABELS = ["prompt-only (the instruct model as shipped)", "SFT", "SFT + GRPO"]
 
@@ -31,3 +31,7 @@ def test_gains_pool_over_seeds_on_the_same_episodes(tmp_path: Path) -> None:
     assert gain["mean"] == pytest.approx(2 / 8) and gain["gained"] == 2 and gain["lost"] == 0
     assert result["pooled"]["SFT + GRPO - prompt-only"]["mean"] == pytest.approx(7 / 8)
     assert result["total_s"] == {0: 500.0, 1: 500.0}
+    for seed in result["per_seed"].values():  # as a real run's quickstart.json holds it
+        seed["grpo_gain"] = {"mean": 0.25, "low": 0.0, "high": 0.5}
+    plot(result, tmp_path / "seeds.png")
+    assert (tmp_path / "seeds.png").stat().st_size > 1000

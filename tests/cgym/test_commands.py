@@ -52,6 +52,12 @@ def test_split_is_passed_only_to_envs_that_take_it(env_id: str, kwargs: dict[str
     assert _with_split(env_id, kwargs, "test") == expected
 
 
+@pytest.mark.parametrize(("split", "expected"), [("none", {"difficulty": "hard"}), ("all", {"split": "all", "difficulty": "hard"})], ids=["none", "any-value"])
+def test_the_eval_split_takes_any_value_or_none(split: str, expected: dict[str, object]) -> None:
+    """An env whose splits are not train/test gets what the user names; 'none' leaves its default."""
+    assert _with_split("cgym/ApiReport-v0", {"difficulty": "hard"}, split) == expected
+
+
 def test_eval_runs_a_py_policy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.syspath_prepend(str(AGENTS_TESTS))
     out = tmp_path / "eval.json"

@@ -203,6 +203,7 @@ def test_the_task_carries_what_the_prompt_states(difficulty: str) -> None:
     assert (f'username "{user}" and password "{password}"' in task.prompt) is task.require_auth
 
 
+@pytest.mark.timing
 def test_latency_slows_each_request_and_changes_nothing_else() -> None:
     kwargs = {"difficulty": "hard", "split": "test", "faults": 0.2}
     instant = play("oracle", range(3), **kwargs)

@@ -185,6 +185,7 @@ def built_in() -> Iterator[dict[tuple[str, str], AgentEnv]]:
         env.close()
 
 
+@pytest.mark.timing
 @pytest.mark.parametrize(("env_id", "difficulty"), BUILT_IN, ids=[f"{e.split('/')[1]}-{d}" for e, d in BUILT_IN])
 @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
 @given(seed=st.integers(0, 2**31 - 1), actions=st.lists(ACTION, min_size=1, max_size=4))
@@ -204,8 +205,9 @@ def test_step_never_raises_and_takes_under_a_second(built_in, env_id: str, diffi
     assert info["critique"] is None, info["critique"]
 
 
+@pytest.mark.timing
 @pytest.mark.parametrize(("env_id", "difficulty"), BUILT_IN, ids=[f"{e.split('/')[1]}-{d}" for e, d in BUILT_IN])
-def test_the_issues_examples_are_answered_in_under_a_second(built_in, env_id: str, difficulty: str) -> None:
+def test_the_reported_examples_are_answered_in_under_a_second(built_in, env_id: str, difficulty: str) -> None:
     env = built_in[(env_id, difficulty)]
     examples = ["```" + " " * 5_000 + "x", "[" * 5_000, "9" * 5_000, _spliced_call("run_query", "query", "[" * 5_000), _spliced_call("list_orders", "page", "9" * 5_000)]
     for action in examples:
@@ -215,6 +217,7 @@ def test_the_issues_examples_are_answered_in_under_a_second(built_in, env_id: st
         assert time.perf_counter() - start < STEP_LIMIT_S, action[:40]
 
 
+@pytest.mark.timing
 def test_ten_slow_queries_in_one_turn_stop_at_the_turns_budget(built_in) -> None:
     env = built_in[("cgym/SqlQuery-v0", "easy")]
     env.reset(seed=0)
@@ -317,6 +320,7 @@ def test_malformed_calls_count_toward_the_cap() -> None:
     assert info["critique"]["code"] == "json_parse_error"
 
 
+@pytest.mark.timing
 def test_calls_after_the_turns_time_budget_are_refused() -> None:
     env = FakeEnv()
     env.reset(seed=0)
@@ -386,3 +390,32 @@ def test_parsers_never_raise(text: str) -> None:
     extract_report(text)
     extract_query(text)
     _loads_or_refuses(text)
+
+
+def test_a_refused_action_is_kept_as_its_length_and_a_prefix_never_whole() -> None:
+    """Over-long actions are refused unread; keeping them whole would let a client fill memory."""
+    from cgym.envs.core import MAX_ACTION_CHARS, REFUSED_PREFIX_CHARS
+
+    env = envs.make("cgym/ApiReport-v0", difficulty="easy", max_turns=3)
+    env.reset(seed=0)
+    huge = "x" * (50 * MAX_ACTION_CHARS)
+    _, _, _, _, info = env.step(huge)
+    kept = [m["content"] for m in info["messages"] if m["role"] == "assistant"]
+    assert kept and all(len(text) < REFUSED_PREFIX_CHARS + 100 for text in kept)
+    assert str(len(huge)) in kept[-1]
+    assert len(env.unwrapped.episode.steps[-1].action) < REFUSED_PREFIX_CHARS + 100
+    env.close()
+
+
+@pytest.mark.parametrize("action", ["\ud800", 'report {"a": "\udfff"}', '<tool_call>{"name": "get_customer", "arguments": {"customer_id": "\ud83d"}}</tool_call>'], ids=["alone", "in-answer", "in-call"])
+def test_lone_surrogates_never_stop_an_episode_from_serialising(action: str) -> None:
+    import json
+
+    env = envs.make("cgym/ApiReport-v0", difficulty="easy", max_turns=2)
+    env.reset(seed=0)
+    terminated = truncated = False
+    while not (terminated or truncated):
+        _, _, terminated, truncated, info = env.step(action)
+        json.dumps(info, ensure_ascii=False, default=str).encode("utf-8")  # raises on a lone surrogate
+    assert "success" in info and "critiques" in info
+    env.close()

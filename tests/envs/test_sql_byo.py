@@ -234,6 +234,7 @@ def hostile_db(tmp_path: Path) -> Path:
     return path
 
 
+@pytest.mark.timing
 def test_a_hostile_database_registers_quickly_and_its_bad_views_are_named(hostile_db: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cgym.envs.sql.byo, "GOLD_BUDGET_S", 1.0)
     good = {"question": "q", "gold_sql": "SELECT name FROM items ORDER BY id", "db": "data/hostile.sqlite"}
@@ -250,6 +251,7 @@ def test_a_hostile_database_registers_quickly_and_its_bad_views_are_named(hostil
     assert "line 1:" not in text and "line 4:" not in text
 
 
+@pytest.mark.timing
 def test_the_schema_of_a_hostile_database_is_read_within_its_budget(hostile_db: Path) -> None:
     start = time.perf_counter()
     with Sandbox(hostile_db, time_budget_s=1.0) as sandbox:

@@ -82,6 +82,7 @@ def test_every_success_outscores_every_failure() -> None:
     assert min(r.reward for r in results if r.success) > max(r.reward for r in results if not r.success)
 
 
+@pytest.mark.timing
 def test_hostile_sql_through_both_tools_is_stopped_with_critiques(tmp_path) -> None:
     env = SqlQueryEnv(difficulty="easy", split="test", schema="shop", max_turns=200, query_timeout_s=0.3)
     env.reset(seed=0)

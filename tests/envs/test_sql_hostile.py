@@ -163,6 +163,7 @@ def test_there_are_several_attacks_per_class() -> None:
     assert len(ATTACKS) >= 40 and len({name for name, *_ in ATTACKS}) == len(ATTACKS)
 
 
+@pytest.mark.timing
 @pytest.mark.parametrize(("sql", "codes", "named"), [a[1:] for a in ATTACKS], ids=[a[0] for a in ATTACKS])
 def test_attack_ends_fast_in_bounded_memory_with_a_named_refusal(sandbox: Sandbox, sql: str, codes: set[str], named: str) -> None:
     start = time.perf_counter()
@@ -183,6 +184,7 @@ def test_attack_ends_fast_in_bounded_memory_with_a_named_refusal(sandbox: Sandbo
     assert sandbox.run("SELECT count(*) FROM orders", max_rows=1).rows == [(240,)]  # still usable afterwards
 
 
+@pytest.mark.timing
 def test_attacks_through_the_env_become_critiques() -> None:
     """Both tools answer every attack with a critique naming its code: no exception leaves `step`."""
     env = SqlQueryEnv(schema="shop", query_timeout_s=0.2)
@@ -244,6 +246,7 @@ def test_the_limits_leave_the_trim_and_call_caps_reachable(sandbox: Sandbox) -> 
     assert len(sandbox.run(f"SELECT {calls}", max_rows=1).rows[0]) == MAX_FUNCTION_CALLS - 2
 
 
+@pytest.mark.timing
 def test_rows_stream_and_stop_at_the_row_cap(sandbox: Sandbox) -> None:
     """A result far past the cap is not fetched: stopping at 5 rows of an endless CTE is instant."""
     start = time.perf_counter()

@@ -71,6 +71,7 @@ def test_there_are_at_least_thirty_hostile_statements() -> None:
     assert len(HOSTILE) >= 30
 
 
+@pytest.mark.timing
 def test_hostile_statements_are_refused_quickly_and_never_write(shop_db: Path, tmp_path: Path) -> None:
     before = schemas.file_digest(shop_db)
     with Sandbox(shop_db, time_budget_s=0.3) as sandbox:
@@ -109,6 +110,7 @@ def test_errors_have_stable_codes(shop_db: Path, sql: str, code: str) -> None:
     assert caught.value.code == code
 
 
+@pytest.mark.timing
 def test_default_budget_stops_a_runaway_query_within_about_a_second(shop_db: Path) -> None:
     with Sandbox(shop_db) as sandbox:
         start = time.perf_counter()

@@ -14,6 +14,7 @@ from cgym.envs.sql.tasks import builtin_tasks, task_pool
 from cgym.envs.sql.templates import TEMPLATES
 
 
+@pytest.mark.timing
 @pytest.mark.parametrize("schema", schemas.SCHEMAS)
 def test_schema_builds_fast_and_deterministically(schema: str, tmp_path: Path) -> None:
     start = time.perf_counter()

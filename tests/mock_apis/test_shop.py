@@ -461,6 +461,7 @@ def test_mock_apis_imports_neither_torch_nor_envs() -> None:
     assert out.stdout.strip() == "[]"
 
 
+@pytest.mark.timing
 def test_latency_delays_every_request_faulted_or_not(data: ShopData) -> None:
     service = ShopService(data, faults=mock_apis.FaultPlan(1.0, seed=0), latency_s=0.02)
     with service.client() as client:
@@ -475,6 +476,7 @@ def test_latency_delays_every_request_faulted_or_not(data: ShopData) -> None:
     assert 4 * 0.02 <= elapsed < 4 * 0.02 + 0.5
 
 
+@pytest.mark.timing
 def test_latency_waits_overlap_across_threads(data: ShopData) -> None:
     """The wait sleeps with the GIL released, as a real network round trip does."""
     def fetch() -> None:

@@ -130,10 +130,25 @@ def test_rewind_metrics_keeps_the_rows_up_to_the_resumed_step(tmp_path: Path) ->
     path = tmp_path / "metrics.jsonl"
     rows = [{"step": 0, "eval/success_rate": 0.1}, *({"step": s, "loss": 0.5} for s in range(1, 6))]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 6, "lo')  # torn by a crash
-    rewind_metrics(path, 3)
+    with pytest.warns(UserWarning, match="unreadable"):
+        assert rewind_metrics(path, 3) == [7]
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [0, 1, 2, 3]
     rewind_metrics(path, 0)
     assert not path.exists()
+
+
+@pytest.mark.parametrize("garbage", ["not json", "[1, 2]", '{"step": "x"}', "\x00\x01"], ids=["text", "array", "bad-step", "binary"])
+def test_a_bad_line_anywhere_loses_no_valid_row_on_resume(tmp_path: Path, garbage: str) -> None:
+    """Any line that is not a metrics row is skipped and reported; the rows around it stay, and
+    the file as it was is kept beside it."""
+    path = tmp_path / "metrics.jsonl"
+    rows = [json.dumps({"step": s, "loss": 0.5}) for s in range(1, 6)]
+    original = "\n".join([*rows[:2], garbage, *rows[2:]]) + "\n"
+    path.write_text(original)
+    with pytest.warns(UserWarning, match="line"):
+        assert rewind_metrics(path, 4) == [3]
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3, 4]
+    assert (tmp_path / "metrics.jsonl.1.bak").read_text() == original
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), torch.tensor(float("-inf"))], ids=["nan", "inf", "tensor-neg-inf"])

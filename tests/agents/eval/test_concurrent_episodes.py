@@ -178,6 +178,7 @@ class AttackThenOracle:
         return [Turn(self.attack) if attack else turn for attack, turn in zip(opening, self.oracle.act(batch))]
 
 
+@pytest.mark.timing
 @pytest.mark.parametrize("attack", list(ATTACKS), ids=list(ATTACKS))
 def test_sql_attacks_next_to_honest_episodes_change_nothing(attack: str) -> None:
     """An attack query in some episodes is stopped with its code, fast, while honest episodes run
@@ -199,6 +200,7 @@ def test_sql_attacks_next_to_honest_episodes_change_nothing(attack: str) -> None
     assert elapsed < 10  # 4 attacks of 0.3 s each, the honest episodes' queries in milliseconds
 
 
+@pytest.mark.timing
 def test_eval_workers_reach_the_episodes_and_change_no_figure() -> None:
     """`EvalConfig.workers` (`cgym eval --workers`) steps the envs on threads: same summary, faster I/O."""
     from cgym.agents.eval.evaluate import EvalConfig, evaluate
