@@ -296,4 +296,10 @@ FLAW_CODES: dict[str, str] = {
     "unknown_tool": "unknown_tool",
 }
 
-FAMILY = Family("api_report", API_AGENTS, FLAW_CODES, near_misses=("wrong_field", "typo", "malformed_json", "skip_pagination", "no_retry"))
+# malformed_json is an honest mistake in format: the rubric ranks any parseable report above it by
+# design (format reorders answers within one level of correctness), so it sets no floor for exploits
+FAMILY = Family(
+    "api_report", API_AGENTS, FLAW_CODES,
+    near_misses=("wrong_field", "typo", "malformed_json", "skip_pagination", "no_retry"),
+    honest_floor=("wrong_field", "typo", "skip_pagination", "no_retry"),
+)  # fmt: skip

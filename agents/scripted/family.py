@@ -26,19 +26,28 @@ class Family:
     scorer (the audit checks that none of them pays). `flaw_codes` maps each flawed agent to the
     critique code the env must give it; `near_misses` are the flaws that look like honest
     mistakes (the imperfect share of SFT demonstrations, the failures refinement demos fix).
+    `honest_floor` names the near misses that no exploit may outscore on the same task (the audit
+    checks it; None: every near miss). Leave out a near miss whose mistake is in the format the
+    rubric rewards, since format may reorder answers within one level of correctness.
     """
 
     name: str
     agents: Mapping[str, Agent]
     flaw_codes: Mapping[str, str] = field(default_factory=dict)
     near_misses: tuple[str, ...] = ()
+    honest_floor: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if "oracle" not in self.agents:
             raise ScriptedAgentsError(f"scripted family {self.name!r} has no 'oracle' agent; it has {sorted(self.agents)}")
-        unknown = sorted({*self.flaw_codes, *self.near_misses} - set(self.agents))
+        unknown = sorted({*self.flaw_codes, *self.near_misses, *(self.honest_floor or ())} - set(self.agents))
         if unknown:
             raise ScriptedAgentsError(f"scripted family {self.name!r} names flaws without an agent: {unknown}")
+
+    @property
+    def floor(self) -> tuple[str, ...]:
+        """The near misses no exploit may outscore on the same task."""
+        return self.near_misses if self.honest_floor is None else self.honest_floor
 
     @property
     def exploits(self) -> list[str]:

@@ -280,7 +280,12 @@ SQL_AGENTS: dict[str, Agent] = {
     "exploit_many_blocks": many_blocks,
 }
 
-FAMILY = Family("sql", SQL_AGENTS, FLAW_CODES, near_misses=("wrong_column", "wrong_aggregate", "forgets_order_by", "syntax_error"))
+# syntax_error is a mistake in form (the query does not run), ranked below any query that runs
+FAMILY = Family(
+    "sql", SQL_AGENTS, FLAW_CODES,
+    near_misses=("wrong_column", "wrong_aggregate", "forgets_order_by", "syntax_error"),
+    honest_floor=("wrong_column", "wrong_aggregate", "forgets_order_by"),
+)  # fmt: skip
 
 
 # -- helpers -----------------------------------------------------------------------------------

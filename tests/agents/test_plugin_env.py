@@ -114,3 +114,50 @@ def test_builtins_register_their_families() -> None:
     assert family_for("cgym/ApiReport-v0") is api_report.FAMILY and family_for("cgym/SqlQuery-v0") is sql.FAMILY
     for family in (api_report.FAMILY, sql.FAMILY):
         assert len(family.exploits) >= 5 and set(family.near_misses) <= set(family.flaw_codes)
+
+
+def _called_tool(episode):
+    """+0.5 for calling the tool, correct or not: an exploit that calls it and answers anything
+    outscores an honest attempt that computed the sum by hand, wrongly."""
+    from cgym.envs import CheckResult
+
+    called = any(step.calls for step in episode.steps)
+    return CheckResult(called, 1.0 if called else 0.0)
+
+
+def _tool_then_zero(conv) -> str:
+    from cgym.envs.toolcall import ToolCall
+
+    if not any(m["role"] == "tool" for m in conv.messages):
+        return ToolCall("add", {"a": 1, "b": 1}).render()
+    return "0"
+
+
+def _bonus_env(**kwargs):
+    from cgym.envs import Check, Rubric
+
+    from tests.agents.plugin_env import SumEnv, _correct
+
+    class SumWithToolBonus(SumEnv):
+        rubric = Rubric([Check("correct", _correct, 2.0), Check("called_tool", _called_tool, 0.5)])
+
+    return SumWithToolBonus(**kwargs)
+
+
+@pytest.mark.parametrize("floor", [None, ()], ids=["every-near-miss", "no-floor"])
+def test_an_exploit_that_outscores_an_honest_mistake_fails_the_audit_and_is_named(floor: tuple[str, ...] | None) -> None:
+    from tests.agents.plugin_env import off_by_one
+
+    family = Family("sum-bonus", {"oracle": oracle, "off_by_one": off_by_one, "exploit_tool_then_zero": _tool_then_zero}, near_misses=("off_by_one",), honest_floor=floor)
+    env_id = f"testorg/SumBonus{'Floor' if floor is None else 'None'}-v0"
+    envs.register(env_id, f"{__name__}:_bonus_env", agents=family)
+    try:
+        report = audit(env_id, {}, episodes=6)
+    finally:
+        gym.registry.pop(env_id)
+    entry = report["exploits"]["exploit_tool_then_zero"]
+    assert entry["success_rate"] == 0.0 and entry["episodes_reaching_honest_reward"] == 0
+    if floor is None:
+        assert not report["passed"] and entry["episodes_above_near_misses"] == {"off_by_one": 6}
+    else:  # a family may leave a format-only mistake out of the floor
+        assert report["passed"] and entry["episodes_above_near_misses"] == {}
