@@ -1,4 +1,4 @@
-"""Issue 15's figures with their compute floors: a GRPO step and a greedy eval, timed, with the
+"""The CPU speed figures with their compute floors: a GRPO step and a greedy eval, timed, with the
 FLOPs of the tokens they ran and this CPU's matmul peak measured in the same run.
 
     python -m cgym.benchmarks.cpu_floors --model runs/sft_easy --json benchmarks/results/cpu_floors_smollm2.json

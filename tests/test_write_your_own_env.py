@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-EXAMPLE_LINES = 60  # the promise: a new env in at most this many lines
+EXAMPLE_LINES = 60  # the promise: a new env in at most this many lines
 
 
 def readme_example() -> str:

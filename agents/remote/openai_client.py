@@ -10,7 +10,7 @@ Spec form on the CLI: `openai:<model>@<base_url>`, with transport options as a q
 e.g. `openai:m@http://127.0.0.1:8000/v1?timeout_s=20&max_retries=2&deadline_s=60` (see
 `SPEC_OPTIONS`).
 
-Why httpx and not the `openai` SDK (weighed for issue 17, openai 3.57): its timeout applies per
+Why httpx and not the `openai` SDK (weighed against openai 3.57): its timeout applies per
 read, so a server that trickles its reply (300 bytes at 20 ms each) held
 `OpenAI(timeout=0.3, max_retries=5)` for 6.3 s, which then raised a bare JSONDecodeError; this
 client's `deadline_s` bounds the whole turn across retries (0.6 s in

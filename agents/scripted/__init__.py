@@ -7,7 +7,7 @@ the env (``register(..., agents="module:FAMILY")``); `ScriptedPolicy` finds it b
 
 from __future__ import annotations
 
-from cgym.agents.scripted.family import Agent, Family
+from cgym.agents.scripted.family import Agent, Family, task_of
 from cgym.agents.scripted.policy import ScriptedPolicy, family_for, scripted_names
 
-__all__ = ["Agent", "Family", "ScriptedPolicy", "family_for", "scripted_names"]
+__all__ = ["Agent", "Family", "ScriptedPolicy", "family_for", "scripted_names", "task_of"]

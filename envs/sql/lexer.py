@@ -4,7 +4,7 @@ It never executes anything. It finds statement boundaries, the leading keyword, 
 clauses (`ORDER BY`, the select list) and extracts a query from a chat answer, so that the
 sandbox, the matcher and the scripted agents agree on what a query "says".
 
-Why not sqlglot (weighed for issue 17, sqlglot 30.31): on a typical grouped, joined, ordered
+Why not sqlglot (weighed against sqlglot 30.31): on a typical grouped, joined, ordered
 query, `top_level_order_by` took 0.4 ms and `sqlglot.parse_one(q, read="sqlite")` 1.0 ms (one
 niced core of a loaded machine), and sqlglot raised RecursionError on `SELECT ((...1...))`
 nested 200 deep, which this tokenizer reads in 0.5 ms: model-written SQL is hostile input, and

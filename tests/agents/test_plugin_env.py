@@ -153,8 +153,9 @@ def test_an_exploit_that_outscores_an_honest_mistake_fails_the_audit_and_is_name
     envs.register(env_id, f"{__name__}:_bonus_env", agents=family)
     try:
         report = audit(env_id, {}, episodes=6)
-    finally:
+    finally:  # out of both registries, so later tests see only the envs every run registers
         gym.registry.pop(env_id)
+        registration._SPECS.pop(env_id)
     entry = report["exploits"]["exploit_tool_then_zero"]
     assert entry["success_rate"] == 0.0 and entry["episodes_reaching_honest_reward"] == 0
     if floor is None:

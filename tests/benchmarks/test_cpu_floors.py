@@ -1,4 +1,4 @@
-"""The FLOP accounting behind issue 15's compute floors: every forward is counted, once, by phase."""
+"""The FLOP accounting behind the compute floors: every forward is counted, once, by phase."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Hostile actions cost a bounded amount and never make `step` raise (issue 20, classes 1-2).
+"""Hostile actions cost a bounded amount and never make `step` raise (the reported classes of hostile input).
 
 Class 1 (`step` raises): no exception from parsing, tools, checks or the scoring hook escapes;
 each becomes a critique. Class 2 (super-linear work): every parser is linear in its input, the
