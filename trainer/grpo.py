@@ -371,10 +371,10 @@ def _advantages(state: TrainState, trajs: list[Trajectory]) -> tuple[torch.Tenso
     offset = sum(len(p) for p in parts[: state.world.rank])
     rewards = torch.tensor([r for p in parts for r, _ in p], dtype=torch.float32)
     groups = torch.tensor([g for p in parts for _, g in p], dtype=torch.long)
-    advantages = unified_advantages(rewards, groups, state.config.scale) if len(rewards) else rewards
     rows = slice(offset, offset + len(trajs))
     if state.config.algo == "rft":  # no baseline: each verified success weighs 1, failures are dropped in _keep_rows
         return rft_weights(torch.tensor([t.success for t in trajs], dtype=torch.bool)), rewards[rows], groups[rows]
+    advantages = unified_advantages(rewards, groups, state.config.scale) if len(rewards) else rewards
     return advantages[rows], rewards[rows], groups[rows]
 
 
