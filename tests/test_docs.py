@@ -32,3 +32,12 @@ def test_no_issue_numbers_in_the_docs() -> None:
     pages = [ROOT / "README.md", ROOT / "benchmarks" / "RESULTS.md", *sorted((ROOT / "docs").glob("*.md"))]
     for page in pages:
         assert not re.search(r"\bissue \d+|\bissues? #\d+", page.read_text(), re.IGNORECASE), page.name
+
+
+def test_the_results_folder_holds_what_the_results_page_cites_and_no_more() -> None:
+    """Every JSON or PNG named on the results page exists; every file kept there is named (history lives in git)."""
+    page = (ROOT / "benchmarks" / "RESULTS.md").read_text()
+    kept = {p.name for p in (ROOT / "benchmarks" / "results").iterdir() if p.suffix in {".json", ".png"}}
+    cited = set(re.findall(r"[`/]([\w.-]+\.(?:json|png))\b", page))
+    assert kept <= cited, f"uncited: {sorted(kept - cited)}"
+    assert cited <= kept, f"named on the page, not in benchmarks/results/: {sorted(cited - kept)}"
