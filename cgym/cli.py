@@ -67,8 +67,13 @@ def _check_env(args: argparse.Namespace) -> None:
     if getattr(args, "env_kwargs", None) is None or getattr(args, "env", None) is None:
         return
     from cgym.envs import make
+    from cgym.envs.registration import resolve_id
 
-    env_ids = args.env if isinstance(args.env, list) else [args.env]  # train's --env repeats
+    if isinstance(args.env, list):  # train's --env repeats
+        args.env = [resolve_id(e) for e in args.env]
+    else:  # Gymnasium's module:namespace/Name-v0 imports the plugin module, then every command sees the bare id
+        args.env = resolve_id(args.env)
+    env_ids = args.env if isinstance(args.env, list) else [args.env]
     for env_id in env_ids:
         kwargs = env_kwargs_for(args.env_kwargs, env_ids, env_id)
         try:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from cgym.envs.core import AgentEnv, ResetNeeded, SimpleTask, Task
 from cgym.envs.critique import CRITIQUE_STYLES, Critique, CritiqueStyle, render
 from cgym.envs.errors import CgymError, InvalidChoiceError, InvalidEnvKwargError, UnknownEnvError
-from cgym.envs.registration import EnvSpec, ScriptedAgentsError, load_plugins, make, register, registered
+from cgym.envs.registration import EnvCard, ScriptedAgentsError, load_plugins, make, register, registered
 from cgym.envs.rubric import Check, CheckResult, Rubric, Score
 from cgym.envs.tools import Tool, ToolError, ToolSchemaError
 
@@ -48,7 +48,7 @@ __all__ = [
     "Critique",
     "CritiqueStyle",
     "DIFFICULTIES",
-    "EnvSpec",
+    "EnvCard",
     "InvalidChoiceError",
     "InvalidEnvKwargError",
     "ResetNeeded",

@@ -1,15 +1,22 @@
 """Registering envs with Gymnasium, making them with clear errors, and third-party plugins.
 
-Built-in envs live under the `cgym/` namespace. An env is registered as a bundle: its entry
-point, its default kwargs and, optionally, its scripted agents (an oracle, flawed agents and
-exploits, as an `agents.scripted.Family`), named by a ``"module:attr"`` string that is imported
-only when a scripted policy or the audit asks for it::
+Built-in envs live under the `cgym/` namespace. Gymnasium's registry is the one registry: its
+spec holds an env's entry point and default kwargs. What Gymnasium has no field for lives in a
+side table of `EnvCard`s: the env's description and, optionally, its scripted agents (an oracle,
+flawed agents and exploits, as an `agents.scripted.Family`), named by a ``"module:attr"`` string
+that is imported only when a scripted policy or the audit asks for it::
 
     register("myorg/Foo-v0", "myorg_envs.foo:FooEnv", agents="myorg_envs.foo_agents:FAMILY")
 
-Third-party packages add theirs through the entry-point group ``cgym.envs``: each entry point
-names a callable that calls `register` (or a module whose import does). They load on
-``import cgym.envs``::
+A plugin whose package calls `register` on import works with a bare Gymnasium through
+Gymnasium's own module prefix, which imports the module before it looks the id up (Gymnasium 1.x
+has no plugin entry points; 0.26-0.29 had them)::
+
+    gymnasium.make("myorg_envs:myorg/Foo-v0")
+
+The same prefixed id works everywhere critique-gym takes an env id (`--env`, `make`). For the bare
+id, plugins may also add an entry point to the group ``cgym.envs``, naming a callable that calls
+`register` (or a module whose import does); they load on ``import cgym.envs``::
 
     [project.entry-points."cgym.envs"]
     myorg = "myorg_envs:register_all"
@@ -35,14 +42,24 @@ _ID = re.compile(r"^(?:[\w.-]+/)?[\w.-]+-v\d+$")
 
 
 @dataclass(frozen=True)
-class EnvSpec:
-    """A registered env: what `cgym envs` lists, and where its scripted agents are."""
+class EnvCard:
+    """What Gymnasium's registry has no field for: an env's description and its scripted agents.
+
+    `entry_point` and `defaults` are read from Gymnasium's spec, the one place they are kept.
+    """
 
     id: str
-    entry_point: str
     description: str = ""
-    defaults: dict[str, Any] = field(default_factory=dict)
     agents: Any = None  # the env's scripted agents: an object, a "module:attr" string, or None
+
+    @property
+    def entry_point(self) -> str:
+        entry = gym.registry[self.id].entry_point
+        return entry if isinstance(entry, str) else f"{entry.__module__}:{entry.__qualname__}"
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return dict(gym.registry[self.id].kwargs)
 
     def load_agents(self) -> Any:
         """The env's scripted agents (imported now if `agents` names them), or None."""
@@ -59,13 +76,13 @@ class ScriptedAgentsError(CgymError):
     """An env registered without scripted agents, or whose agents cannot be loaded."""
 
 
-_SPECS: dict[str, EnvSpec] = {}
+_CARDS: dict[str, EnvCard] = {}
 _plugins_loaded = False  # every entry point loaded (none deferred)
 _plugins_loading = False
 _plugins_done: set[str] = set()  # names of the entry points already loaded
 
 
-def register(env_id: str, entry_point: str, *, description: str = "", agents: Any = None, **defaults: Any) -> EnvSpec:
+def register(env_id: str, entry_point: str, *, description: str = "", agents: Any = None, **defaults: Any) -> EnvCard:
     """Register an env with Gymnasium (and `cgym envs`). `defaults` become its default kwargs.
 
     `agents` names the env's scripted agents (``"module:attr"`` or the object itself), so that
@@ -75,37 +92,53 @@ def register(env_id: str, entry_point: str, *, description: str = "", agents: An
         raise CgymError(f"env id {env_id!r} must look like 'namespace/Name-v0'")
     if isinstance(agents, str) and ":" not in agents:
         raise ScriptedAgentsError(f"agents={agents!r} of {env_id} must look like 'module:attr'")
-    gym.register(id=env_id, entry_point=entry_point, kwargs=defaults)
-    spec = EnvSpec(env_id, entry_point, description, dict(defaults), agents)
-    _SPECS[env_id] = spec
-    return spec
+    gym.register(id=env_id, entry_point=entry_point, kwargs=dict(defaults))
+    card = EnvCard(env_id, description, agents)
+    _CARDS[env_id] = card
+    return card
 
 
-def registered() -> dict[str, EnvSpec]:
-    """Every env registered through critique-gym (built-ins and plugins), by id."""
+def registered() -> dict[str, EnvCard]:
+    """Every env registered through critique-gym (built-ins and plugins) and still in Gymnasium's registry, by id."""
     load_plugins()
-    return dict(_SPECS)
+    return {env_id: card for env_id, card in _CARDS.items() if env_id in gym.registry}
+
+
+def resolve_id(env_id: str) -> str:
+    """Gymnasium's ``module:namespace/Name-v0`` -> ``namespace/Name-v0``, importing `module` first
+    (its import registers the env); a bare id comes back as is."""
+    module, sep, bare = env_id.rpartition(":")
+    if not sep:
+        return env_id
+    try:
+        importlib.import_module(module)
+    except ImportError as exc:
+        raise UnknownEnvError(f"cannot import {module!r}, the module of the env id {env_id!r}: {exc}") from None
+    return bare
 
 
 def make(env_id: str, **kwargs: Any) -> gym.Env:
     """`gymnasium.make` with a did-you-mean for unknown ids and a check of the kwargs."""
-    _require(env_id)
+    env_id = _require(env_id)
     _check_kwargs(env_id, kwargs)
     return gym.make(env_id, **kwargs)
 
 
 def takes_kwarg(env_id: str, name: str) -> bool:
     """Whether `make(env_id, name=...)` is accepted (e.g. pass `split` only to envs that take it)."""
-    _require(env_id)
+    env_id = _require(env_id)
     accepted = _accepted(env_id)
     return accepted is None or name in accepted
 
 
-def _require(env_id: str) -> None:
+def _require(env_id: str) -> str:
+    """The bare id of a registered env (after the plugins load, and a ``module:`` prefix's import)."""
     load_plugins()
+    env_id = resolve_id(env_id)
     if env_id not in gym.registry:
-        known = sorted(_SPECS) or sorted(gym.registry)
-        raise UnknownEnvError(f"no env registered as {env_id!r}; registered: {sorted(_SPECS)}.{did_you_mean(env_id, known)}")
+        ours = sorted(registered())
+        raise UnknownEnvError(f"no env registered as {env_id!r}; registered: {ours}.{did_you_mean(env_id, ours or sorted(gym.registry))}")
+    return env_id
 
 
 def _accepted(env_id: str) -> list[str] | None:

@@ -9,11 +9,12 @@ import gymnasium as gym
 from cgym.agents.base import Conversation, Turn
 from cgym.agents.scripted.family import Agent, Family
 from cgym.envs.errors import InvalidChoiceError, UnknownEnvError, did_you_mean
-from cgym.envs.registration import ScriptedAgentsError, registered
+from cgym.envs.registration import ScriptedAgentsError, registered, resolve_id
 
 
 def family_for(env_id: str) -> Family:
     """The scripted agents registered with `env_id` (after the plugins load)."""
+    env_id = resolve_id(env_id)
     specs = registered()
     spec = specs.get(env_id)
     if spec is None and env_id not in gym.registry:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from cgym.envs.errors import CgymError, did_you_mean
-from cgym.envs.registration import EnvSpec, register
+from cgym.envs.registration import EnvCard, register
 from cgym.envs.rubric import Rubric
 from cgym.envs.sql.env import SqlQueryEnv
 from cgym.envs.sql.match import Expected
@@ -40,7 +40,7 @@ class TaskFileError(CgymError, ValueError):
 
 
 def register_from_jsonl(env_id: str, jsonl_path: str | Path, *, description: str = "", allow_outside: bool = False,
-                        **defaults: Any) -> EnvSpec:
+                        **defaults: Any) -> EnvCard:
     """Validate `jsonl_path` and register it as `env_id` (`defaults` become env kwargs).
 
     `allow_outside=True` accepts `db` paths outside the JSONL's folder (absolute, `../`, symlinks).

@@ -80,7 +80,6 @@ def broken_env() -> Iterator[Callable[[str], str]]:
 
     yield make
     gym.registry.pop(env_id, None)
-    registration._SPECS.pop(env_id, None)
 
 
 @pytest.mark.parametrize(
@@ -155,7 +154,6 @@ def test_an_exploit_that_outscores_an_honest_mistake_fails_the_audit_and_is_name
         report = audit(env_id, {}, episodes=6)
     finally:  # out of both registries, so later tests see only the envs every run registers
         gym.registry.pop(env_id)
-        registration._SPECS.pop(env_id)
     entry = report["exploits"]["exploit_tool_then_zero"]
     assert entry["success_rate"] == 0.0 and entry["episodes_reaching_honest_reward"] == 0
     if floor is None:

@@ -34,6 +34,8 @@ def _play_oracle(env: CgymTextEnv, env_id: str) -> list[dict[str, Any]]:
 
 
 def test_every_cgym_env_is_registered_with_skyrl_gym() -> None:
+    assert {e for e in envs.registered() if e.startswith("cgym/")} <= set(skyrl_gym.registry)  # on import
+    register_envs()  # the envs other tests registered since
     assert set(envs.registered()) <= set(skyrl_gym.registry)
     assert register_envs(API) == []  # again: already there, left alone
 

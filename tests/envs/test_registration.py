@@ -126,7 +126,6 @@ def test_scripted_agent_names_are_checked_after_plugins_load(monkeypatch: pytest
     monkeypatch.setattr(registration.importlib.metadata, "entry_points", lambda group: [PluginEntryPoint()] if group == "cgym.envs" else [])
     assert ScriptedPolicy("count_on_fingers").name == "scripted:count_on_fingers"
     gym.registry.pop("myorg/Names-v0")
-    registration._SPECS.pop("myorg/Names-v0")
 
 
 def test_takes_kwarg_reads_the_env_signature() -> None:
@@ -137,6 +136,53 @@ def test_takes_kwarg_reads_the_env_signature() -> None:
         assert envs.registration.takes_kwarg("testorg/NoSplit-v0", "max_turns")
     finally:
         gym.registry.pop("testorg/NoSplit-v0")
-        envs.registration._SPECS.pop("testorg/NoSplit-v0")
     with pytest.raises(UnknownEnvError):
         envs.registration.takes_kwarg("cgym/Nope-v0", "split")
+
+
+SELF_REGISTERING = """
+    from cgym import envs
+
+    envs.register("plugorg/Sum-v0", "tests.agents.plugin_env:SumEnv", description="Add two numbers.", agents="tests.agents.plugin_env:FAMILY")
+"""
+
+
+def test_a_plugin_works_with_a_bare_gymnasium_through_its_module_prefix(tmp_path: Path) -> None:
+    """No entry point and no `import cgym`: Gymnasium's `module:id` imports the plugin, which registers."""
+    (tmp_path / "plugorg_envs.py").write_text(textwrap.dedent(SELF_REGISTERING))
+    script = """
+import sys, gymnasium
+env = gymnasium.make("plugorg_envs:plugorg/Sum-v0")
+env.reset(seed=0)
+print(type(env.unwrapped).__name__, "cgym.envs" in sys.modules)
+"""
+    repo = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", script], env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(repo)])},
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["SumEnv", "True"]
+
+
+def test_critique_gym_takes_the_module_prefix_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from cgym.agents.scripted import family_for
+    from cgym.cli import main
+
+    (tmp_path / "plugorg_envs2.py").write_text(textwrap.dedent(SELF_REGISTERING).replace("plugorg/Sum-v0", "plugorg/Sum2-v0"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        assert type(envs.make("plugorg_envs2:plugorg/Sum2-v0").unwrapped).__name__ == "SumEnv"
+        assert family_for("plugorg_envs2:plugorg/Sum2-v0").name == family_for("plugorg/Sum2-v0").name
+        assert envs.registered()["plugorg/Sum2-v0"].description == "Add two numbers."
+        assert main(["audit", "--env", "plugorg_envs2:plugorg/Sum2-v0", "--episodes", "2"]) == 0
+        assert "plugorg/Sum2-v0" in capsys.readouterr().out
+    finally:
+        gym.registry.pop("plugorg/Sum2-v0", None)
+    assert "plugorg/Sum2-v0" not in envs.registered()  # Gymnasium's registry is the one registry
+    with pytest.raises(UnknownEnvError, match="cannot import 'no_such_plugin'"):
+        envs.make("no_such_plugin:plugorg/Sum-v0")
+
+
+def test_a_card_reads_entry_point_and_defaults_from_gymnasium() -> None:
+    card = envs.registered()["cgym/ApiReport-v0"]
+    assert card.entry_point == gym.registry["cgym/ApiReport-v0"].entry_point == "cgym.envs.api_report:ApiReportEnv"
+    assert card.defaults == {} and "shop API" in card.description
