@@ -39,3 +39,7 @@ class SamplingOptions:
         ):
             if not ok:
                 raise ConfigError(rule)
+
+
+DEFAULT_SAMPLING = SamplingOptions()
+"""The defaults every backend starts from (frozen, so one instance serves as every default argument)."""

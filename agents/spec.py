@@ -60,14 +60,14 @@ def load_policy(spec: str, options: SamplingOptions | None = None, *, env_id: st
     if kind == "hf":
         from cgym.agents.local.hf import HFPolicy
 
-        return HFPolicy.from_pretrained(rest, temperature=opts.temperature, top_p=opts.top_p, max_new_tokens=opts.max_new_tokens, seed=opts.seed)
+        return HFPolicy.from_pretrained(rest, sampling=opts)
     if kind == "openai":
         from cgym.agents.remote.openai_client import OpenAIPolicy
 
-        return OpenAIPolicy.from_spec(rest, temperature=opts.temperature, top_p=opts.top_p, max_tokens=opts.max_new_tokens, seed=opts.seed)
+        return OpenAIPolicy.from_spec(rest, sampling=opts)
     from cgym.agents.remote.vllm_policy import VLLMPolicy
 
-    return VLLMPolicy.from_spec(rest, temperature=opts.temperature, top_p=opts.top_p, max_tokens=opts.max_new_tokens, seed=opts.seed)
+    return VLLMPolicy.from_spec(rest, sampling=opts)
 
 
 def _user_policy(rest: str, options: SamplingOptions) -> Policy:

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 from cgym.agents.local.sampling import LOOKUP_TOKENS
+from cgym.agents.options import SamplingOptions
 from cgym.benchmarks.output import emit
 
 ENV_ID = "cgym/ApiReport-v0"
@@ -175,7 +176,7 @@ def greedy_eval(model: str, episodes: int, draft_tokens: int) -> tuple[float, Fl
     from cgym.agents.local.hf import HFPolicy
     from cgym.trainer.grpo import EVAL_SEED
 
-    policy = HFPolicy.from_pretrained(model, temperature=0.0, draft_tokens=draft_tokens)
+    policy = HFPolicy.from_pretrained(model, draft_tokens=draft_tokens, sampling=SamplingOptions(temperature=0.0))
     with counting_flops(type(policy.model)) as count:
         start = time.perf_counter()
         summary, _ = evaluate(policy, EvalConfig(ENV_ID, {**ENV_KWARGS, "split": "test"}, episodes=episodes, seed=EVAL_SEED))  # cgym eval's batch size

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cgym.agents.options import SamplingOptions
+
 ARMS = {"grpo": {"critique": "none"}, "critique_grpo_step": {"critique": "step"}}
 ABLATIONS = {
     "critique_grpo_indicative": {"critique": "indicative"},
@@ -73,7 +75,7 @@ def run_arm(name: str, overrides: dict[str, Any], seed: int, setting: Setting, *
         group_size=setting.group_size, tasks_per_step=setting.tasks_per_step, task_pool=setting.task_pool,
         learning_rate=setting.learning_rate, temperature=setting.temperature, seed=seed, progress=False,
     )  # fmt: skip
-    config = TrainConfig(**{**base, **overrides})  # an arm's overrides win over the shared setting
+    config = TrainConfig.from_dict({**base, **overrides})  # an arm's overrides win over the shared setting
     result = train(config)
     if start is not None:
         result["before"] = {"success_rate": start}
@@ -182,7 +184,7 @@ def _evaluate(model: str, setting: Setting, *, split: str, episodes: int, seed: 
     from cgym.agents.eval.evaluate import EvalConfig, evaluate
     from cgym.agents.local.hf import HFPolicy
 
-    policy = HFPolicy.from_pretrained(model, temperature=temperature, max_new_tokens=96, seed=0)
+    policy = HFPolicy.from_pretrained(model, sampling=SamplingOptions(temperature=temperature, max_new_tokens=96, seed=0))
     config = EvalConfig(setting.env_id, {"difficulty": setting.difficulty, "split": split}, episodes=episodes, seed=seed, samples=samples, batch_size=batch_size)
     return evaluate(policy, config)
 

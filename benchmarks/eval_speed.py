@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from cgym.agents.options import SamplingOptions
 from cgym.benchmarks.output import emit
 
 
@@ -46,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
 
     if not args.policy.startswith("hf:"):
         parser.error("--policy must be an hf: policy")
-    policy = HFPolicy.from_pretrained(args.policy[3:], temperature=0.0, max_new_tokens=args.max_new_tokens, seed=0)
+    policy = HFPolicy.from_pretrained(args.policy[3:], sampling=SamplingOptions(temperature=0.0, max_new_tokens=args.max_new_tokens, seed=0))
     timed_eval(policy, args.env, args.env_kwargs, min(args.episodes, 8), args.batch_size)  # warm-up: weights cast, prefix cached
     policy.turn_cache = None
     off_s, off = timed_eval(policy, args.env, args.env_kwargs, args.episodes, args.batch_size)

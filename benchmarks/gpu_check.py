@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from cgym.agents.options import SamplingOptions
 from cgym.benchmarks.output import emit
 
 ENV_ID = "cgym/ApiReport-v0"
@@ -107,7 +108,7 @@ def _vllm_push(model: str, out: Path) -> dict[str, Any]:
     from cgym.trainer.samplers.vllm_sampler import VLLMSampler
 
     policy = HFPolicy.from_pretrained(model, device="cuda", dtype=torch.float32)
-    sampler = VLLMSampler(policy.tokenizer, policy.model.name_or_path, temperature=0.0, max_new_tokens=16)
+    sampler = VLLMSampler(policy.tokenizer, policy.model.name_or_path, sampling=SamplingOptions(temperature=0.0, max_new_tokens=16))
 
     push_ms: list[float] = []
 

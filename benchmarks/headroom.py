@@ -23,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from cgym.agents.options import SamplingOptions
 from cgym.benchmarks.critique_vs_grpo import ENVS, task_split
 
 SPLITS = ("api:medium", "api:hard", "sql:easy", "sql:medium", "sql:hard")
@@ -62,7 +63,7 @@ def measure_split(env_id: str, difficulty: str, args: argparse.Namespace, save: 
     test = {**kwargs, "split": "test"}
 
     def run(temperature: float, samples: int) -> tuple[dict[str, Any], list[Any]]:
-        policy = HFPolicy.from_pretrained(out / "sft", temperature=temperature, max_new_tokens=args.max_new_tokens, seed=0)
+        policy = HFPolicy.from_pretrained(out / "sft", sampling=SamplingOptions(temperature=temperature, max_new_tokens=args.max_new_tokens, seed=0))
         config = EvalConfig(env_id, test, episodes=args.tasks, seed=EVAL_SEED, samples=samples, batch_size=args.batch_size)
         with episode_progress(Console(stderr=True), len(config.seeds), f"{env_id} {difficulty} T {temperature}") as advance:
             return evaluate(policy, config, on_done=advance)

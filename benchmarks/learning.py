@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cgym.agents.options import SamplingOptions
 from cgym.benchmarks.critique_vs_grpo import parse_arm
 
 EVAL_SEED = 10_000
@@ -61,7 +62,7 @@ def run_arm(name: str, overrides: dict[str, Any], seed: int, setting: Setting) -
     from cgym.trainer.grpo import train
 
     out = setting.out / f"{name}-seed{seed}"
-    config = TrainConfig(**{
+    config = TrainConfig.from_dict({
         "env_id": setting.env_id, "env_kwargs": setting.env_kwargs, "model": setting.start, "out": str(out), "seed": seed,
         "steps": setting.steps, "time_budget_s": setting.budget_s, "save_every": setting.eval_every, "eval_episodes": 0, "progress": False,
         **setting.train, **overrides,
@@ -93,7 +94,7 @@ def test_outcomes(model: str, setting: Setting) -> tuple[float, list[int]]:
     from cgym.agents.eval.evaluate import EvalConfig, evaluate
     from cgym.agents.local.hf import HFPolicy
 
-    policy = HFPolicy.from_pretrained(model, temperature=0.0, max_new_tokens=setting.train.get("max_new_tokens", 96), seed=0)
+    policy = HFPolicy.from_pretrained(model, sampling=SamplingOptions(temperature=0.0, max_new_tokens=setting.train.get("max_new_tokens", 96), seed=0))
     config = EvalConfig(setting.env_id, {**setting.env_kwargs, "split": "test"}, episodes=setting.eval_episodes, seed=EVAL_SEED, batch_size=100)
     summary, results = evaluate(policy, config)
     return summary["success_rate"], [int(r.success) for r in results]

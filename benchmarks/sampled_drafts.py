@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from cgym.agents.local.lookup import LOOKUP_TOKENS
+from cgym.agents.options import SamplingOptions
 from cgym.benchmarks.output import emit
 
 
@@ -25,7 +26,7 @@ def sampled_eval(model: Any, tokenizer: Any, env_id: str, env_kwargs: dict[str, 
     from cgym.agents.eval.evaluate import EvalConfig, evaluate
     from cgym.agents.local.hf import HFPolicy
 
-    policy = HFPolicy(model, tokenizer, temperature=1.0, seed=seed, draft_tokens=draft_tokens)
+    policy = HFPolicy(model, tokenizer, draft_tokens=draft_tokens, sampling=SamplingOptions(temperature=1.0, seed=seed))
     start = time.perf_counter()
     summary, results = evaluate(policy, EvalConfig(env_id, {**env_kwargs, "split": "test"}, episodes=episodes, seed=seed))
     seconds = time.perf_counter() - start

@@ -167,15 +167,15 @@ def env_reward(tokens: list[int]) -> Callable[..., list[float]]:
 
 # -- the two trainers -------------------------------------------------------------------------
 def our_state(config: BenchConfig, model_dir: Path, out: Path, seen: list[int | None]) -> Any:
+    from cgym.agents.options import SamplingOptions
     from cgym.trainer.config import TrainConfig
     from cgym.trainer.grpo import setup
 
     train_config = TrainConfig(
         env_id=ENV_ID, env_kwargs=ENV_KWARGS, model=str(model_dir), out=str(out),
         group_size=config.group_size, tasks_per_step=config.tasks_per_step,
-        max_new_tokens=config.max_new_tokens, loss_type=config.loss_type,
-        learning_rate=config.learning_rate, micro_batch_size=config.batch,
-        temperature=1.0, top_p=1.0, beta=0.0, num_iterations=1, seed=config.seed, progress=False,
+        sampling=SamplingOptions(temperature=1.0, top_p=1.0, max_new_tokens=config.max_new_tokens), loss_type=config.loss_type,
+        learning_rate=config.learning_rate, micro_batch_size=config.batch, beta=0.0, num_iterations=1, seed=config.seed, progress=False,
     )  # fmt: skip
     return setup(train_config, make_env=lambda split: SeedLog(train_env(split), seen))
 

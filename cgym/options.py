@@ -63,20 +63,29 @@ def add_config_options(
     types: Mapping[str, Callable[[str], Any]] = {},
     required: Collection[str] = (),
     skip: Collection[str] = (),
+    defaults: Mapping[str, Any] = {},
 ) -> None:
     """One option per field of `config` (dest = the field's name), except those in `skip`.
 
     The flag is `--field-name` unless `flags` renames it; a bool that defaults to True becomes
     `--no-field-name`; a `Literal` gives the choices; a field without a default is required.
-    `types` replaces the annotation's type (for a range check or JSON).
+    `types` replaces the annotation's type (for a range check or JSON). A field that is itself a
+    dataclass (`TrainConfig.sampling`) gives one option per field of its own, with its default's
+    values (`config_kwargs` builds it back); where the outer config has a field of the same name,
+    that field is the option.
     """
     hints, docs = typing.get_type_hints(config), field_docs(config)
     for f in dataclasses.fields(config):
         if f.name in skip:
             continue
+        if dataclasses.is_dataclass(hints[f.name]):
+            values = dataclasses.asdict(_default(f))
+            outer = {g.name for g in dataclasses.fields(config)}  # an outer field of the same name (seed) is the option
+            add_config_options(parser, hints[f.name], flags=flags, types=types, skip={*skip, *outer}, defaults=values)
+            continue
         flag = "--" + flags.get(f.name, f.name.replace("_", "-"))
         help_ = docs.get(f.name, "").replace("%", "%%") or None
-        hint, default = hints[f.name], _default(f)
+        hint, default = hints[f.name], defaults.get(f.name, _default(f))
         if hint is bool:
             parser.add_argument(flag.replace("--", "--no-") if default else flag, dest=f.name, action="store_false" if default else "store_true", help=help_)
             continue
@@ -92,8 +101,16 @@ def add_config_options(
 
 
 def config_kwargs(args: argparse.Namespace, config: type) -> dict[str, Any]:
-    """The parsed values of `config`'s fields that are options (keyword arguments for `config`)."""
-    return {f.name: getattr(args, f.name) for f in dataclasses.fields(config) if hasattr(args, f.name)}
+    """The parsed values of `config`'s fields that are options (keyword arguments for `config`);
+    a dataclass field is rebuilt from its default and the options of its own fields."""
+    hints, kwargs = typing.get_type_hints(config), {}
+    for f in dataclasses.fields(config):
+        if dataclasses.is_dataclass(hints[f.name]):
+            if parsed := config_kwargs(args, hints[f.name]):
+                kwargs[f.name] = dataclasses.replace(_default(f), **parsed)
+        elif hasattr(args, f.name):
+            kwargs[f.name] = getattr(args, f.name)
+    return kwargs
 
 
 @cache

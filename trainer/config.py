@@ -84,12 +84,10 @@ class TrainConfig:
     """Groups whose rewards are all equal: keep, drop, or resample once."""
     mask_truncated: bool = False
     """Exclude trajectories with a turn cut at max_new_tokens from the loss."""
-    temperature: float = SamplingOptions.temperature
-    """Sampling temperature (log-probs use the same temperature)."""
-    top_p: float = SamplingOptions.top_p
-    """Nucleus sampling (1.0: off)."""
-    max_new_tokens: int = 96
-    """Tokens per assistant turn (shorter than SamplingOptions' 256: rollouts are faster)."""
+    sampling: SamplingOptions = SamplingOptions(max_new_tokens=96)
+    """How rollouts and refinements sample (log-probs use its temperature); its max_new_tokens is
+    96 here, shorter turns being faster, and its seed is always the run's `seed`. Flags and flat
+    dicts (`TrainConfig.from_dict`) name its fields directly: --temperature, --top-p, --max-new-tokens."""
     critique: str = "none"
     """Critique-GRPO: none | indicative | ground_truth | step | model:<policy-spec>."""
     refine_k: int = 2
@@ -146,6 +144,8 @@ class TrainConfig:
     """Show a progress bar."""
 
     def __post_init__(self) -> None:
+        sampling = SamplingOptions(**self.sampling) if isinstance(self.sampling, dict) else self.sampling  # as to_dict writes it
+        object.__setattr__(self, "sampling", dataclasses.replace(sampling, seed=self.seed))
         for name, choices in (("algo", ALGOS), ("loss_type", LOSS_TYPES), ("scale", ADVANTAGE_SCALES), ("zero_std", ZERO_STD), ("trainable", TRAINABLE), ("served_engine", SERVED_ENGINES)):
             _choice(name, getattr(self, name), choices)
         if not (self.critique in CRITIQUE_STYLES or self.critique.startswith("model:")):
@@ -155,7 +155,6 @@ class TrainConfig:
         for ok, message in self._range_checks():
             if not ok:
                 raise ConfigError(message)
-        _ = self.sampling  # validates temperature, top_p and max_new_tokens
         self._check_envs()
 
     def _check_envs(self) -> None:
@@ -185,11 +184,6 @@ class TrainConfig:
             (self.algo == "grpo" or self.critique == "none", f"algo='rft' trains on the policy's own verified successes only; critique={self.critique!r} needs algo='grpo'"),
             (self.served == VLLM_IN_PROCESS or not self.served or self.served_engine != "vllm" or self.lora_r > 0, "served_engine='vllm' hot-loads LoRA adapters each push: set lora_r > 0 (or serve with transformers serve)"),
         ]
-
-    @property
-    def sampling(self) -> SamplingOptions:
-        """The rollouts' sampling settings (seeded with `seed`)."""
-        return SamplingOptions(temperature=self.temperature, top_p=self.top_p, max_new_tokens=self.max_new_tokens, seed=self.seed)
 
     @property
     def model_path(self) -> str:
@@ -224,6 +218,19 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
+        """A config from flat values, as JSON overrides write them: the sampling settings may be
+        named directly (``{"temperature": 0.7}``) or nested (``{"sampling": {...}}``)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        sampling_names = {f.name for f in dataclasses.fields(SamplingOptions)} - {"seed"}
+        if unknown := sorted(set(values) - names - sampling_names):
+            raise ConfigError(f"TrainConfig has no field {unknown[0]!r}.{did_you_mean(unknown[0], sorted(names | sampling_names))}")
+        flat = {k: values[k] for k in sampling_names if k in values}
+        nested = values.get("sampling", cls.sampling)
+        sampling = dataclasses.replace(SamplingOptions(**nested) if isinstance(nested, dict) else nested, **flat)
+        return cls(**{k: v for k, v in values.items() if k in names} | {"sampling": sampling})
 
 
 def keyed_by_env(env_kwargs: dict[str, Any], env_ids: tuple[str, ...] | list[str]) -> bool:

@@ -21,7 +21,7 @@ import json
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
@@ -36,6 +36,7 @@ from cgym.agents.local.hf import HFPolicy
 from cgym.agents.local.lora import merged, with_lora
 from cgym.agents.local.precision import autocast
 from cgym.agents.local.sampling import MIN_SHARED_PREFIX, SharedHead, sequence_logprobs, shared_head, shared_prefix_len
+from cgym.agents.options import SamplingOptions
 from cgym.agents.pretrained import resolve_model
 from cgym.envs.errors import ConfigError
 from cgym.envs.registration import make
@@ -108,7 +109,7 @@ def setup(config: TrainConfig, *, make_env: EnvFactory | None = None, resume: bo
     prepare_models(config.model, config.critique.removeprefix("model:") if config.critique.startswith("model:") else None)
     # a LoRA checkpoint holds only the adapter: the base comes from the starting model
     weights = config.model_path if config.lora_r > 0 else checkpoint or config.model_path
-    policy = HFPolicy.from_pretrained(weights, device=world.device, dtype=torch.float32, **asdict(config.sampling))
+    policy = HFPolicy.from_pretrained(weights, device=world.device, dtype=torch.float32, sampling=config.sampling)
     if config.lora_r > 0:
         policy.model = with_lora(policy.model, config.lora_r, adapter=checkpoint)
     freeze_except(policy.model, config.trainable)
@@ -125,7 +126,7 @@ def setup(config: TrainConfig, *, make_env: EnvFactory | None = None, resume: bo
     reference = copy.deepcopy(policy.model).eval().requires_grad_(False) if config.beta > 0 else None
     log = MetricsLog(out / "metrics.jsonl")
     served = _served(config, policy, start, world)
-    return TrainState(config, policy, optimizer, scheduler, factories, reference, _critic(config), log, HackingMonitor(), config.max_new_tokens * max_turns, start, world, served=served)
+    return TrainState(config, policy, optimizer, scheduler, factories, reference, _critic(config), log, HackingMonitor(), config.sampling.max_new_tokens * max_turns, start, world, served=served)
 
 
 def _served(config: TrainConfig, policy: HFPolicy, step: int, world: World) -> PushedSampler | None:
@@ -138,9 +139,9 @@ def _served(config: TrainConfig, policy: HFPolicy, step: int, world: World) -> P
     if config.served == VLLM_IN_PROCESS:
         from cgym.trainer.samplers.vllm_sampler import VLLMSampler  # vLLM is optional: imported only when asked for
 
-        served = VLLMSampler(policy.tokenizer, resolve_model(config.model_path), lora_r=config.lora_r, gpu_memory_utilization=config.vllm_memory, **asdict(config.sampling))
+        served = VLLMSampler(policy.tokenizer, resolve_model(config.model_path), lora_r=config.lora_r, gpu_memory_utilization=config.vllm_memory, sampling=config.sampling)
     else:
-        served = ServedPolicy(policy.tokenizer, config.served, engine=config.served_engine, **asdict(config.sampling))
+        served = ServedPolicy(policy.tokenizer, config.served, engine=config.served_engine, sampling=config.sampling)
     served.push(policy.model, step, Path(config.out) / "served")
     return served
 
@@ -419,11 +420,11 @@ def _update(state: TrainState, trajs: list[Trajectory], advantages: torch.Tensor
             assert batch is not None
             mb = slice_batch(batch, slice(start, start + cfg.micro_batch_size))
             with autocast(state.model):  # logits only at sampled positions; log-softmax in fp32
-                logp = sequence_logprobs(state.model, mb.ids, mb.attention, cfg.temperature, mask=mb.mask, head=head)
+                logp = sequence_logprobs(state.model, mb.ids, mb.attention, cfg.sampling.temperature, mask=mb.mask, head=head)
                 ref = None
                 if state.reference is not None:
                     with torch.no_grad():
-                        ref = sequence_logprobs(state.reference, mb.ids, mb.attention, cfg.temperature, mask=mb.mask)
+                        ref = sequence_logprobs(state.reference, mb.ids, mb.attention, cfg.sampling.temperature, mask=mb.mask)
             old = mb.old_logp
             if own_old:
                 if iteration == 0:
@@ -501,7 +502,7 @@ def evaluate_model(state: TrainState, *, episodes: int | None = None) -> dict[st
 
 def _evaluate_env(state: TrainState, env_id: str, episodes: int | None) -> dict[str, Any]:
     cfg = state.config
-    policy = HFPolicy(state.model, state.policy.tokenizer, temperature=cfg.eval_temperature, top_p=1.0, max_new_tokens=cfg.max_new_tokens, seed=EVAL_SEED, device=state.world.device)
+    policy = HFPolicy(state.model, state.policy.tokenizer, device=state.world.device, sampling=SamplingOptions(temperature=cfg.eval_temperature, top_p=1.0, max_new_tokens=cfg.sampling.max_new_tokens, seed=EVAL_SEED))
     was_training = state.model.training
     state.model.eval()
     config = EvalConfig(env_id, cfg.kwargs_for(env_id, "test"), episodes=episodes or cfg.eval_episodes, seed=EVAL_SEED, workers=cfg.workers)

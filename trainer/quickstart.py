@@ -52,6 +52,8 @@ class QuickstartPlan:
     learning_rate: float = 2e-4
     """LoRA's rate: about 10x the full fine-tuning optimum (LoRA Without Regret, 2025)."""
     temperature: float = 0.7
+    max_new_tokens: int = 96
+    """Tokens per turn, in training and in the evaluations: an easy report fits in well under 96."""
     critique: str = "none"
     """Critique-GRPO's critique style for groups that all failed (none: plain GRPO)."""
     eval_episodes: int = 100
@@ -70,6 +72,7 @@ def run(out: Path, plan: QuickstartPlan = QuickstartPlan(), *, console: Console 
     from cgym.agents.eval.evaluate import EvalConfig
     from cgym.agents.eval.report import write_reports
     from cgym.agents.local.hf import HFPolicy
+    from cgym.agents.options import SamplingOptions
     from cgym.agents.pretrained import resolve_model
     from cgym.trainer.config import TrainConfig
     from cgym.trainer.embedded import prepare_models
@@ -102,7 +105,7 @@ def run(out: Path, plan: QuickstartPlan = QuickstartPlan(), *, console: Console 
     config = TrainConfig(
         env_id=ENV_ID, env_kwargs=env_kwargs, model=str(out / "sft"), out=str(out / "grpo"), steps=plan.train_steps,
         group_size=plan.group_size, tasks_per_step=plan.tasks_per_step, learning_rate=plan.learning_rate, lora_r=plan.lora_r,
-        temperature=plan.temperature, critique=plan.critique, seed=plan.seed,
+        sampling=SamplingOptions(temperature=plan.temperature, max_new_tokens=plan.max_new_tokens), critique=plan.critique, seed=plan.seed,
         eval_episodes=0,  # every arm is measured once, by the comparison below, on the same episodes
     )  # fmt: skip
     trained = train(config, console=console)
@@ -110,7 +113,7 @@ def run(out: Path, plan: QuickstartPlan = QuickstartPlan(), *, console: Console 
 
     console.rule("4/4 compare prompt-only, SFT and SFT + GRPO on the same test episodes (greedy)")
     eval_config = EvalConfig(ENV_ID, {**env_kwargs, "split": "test"}, episodes=plan.eval_episodes, seed=10_000, batch_size=100)
-    greedy = {"temperature": 0.0, "max_new_tokens": config.max_new_tokens, "seed": 0}
+    greedy = {"sampling": SamplingOptions(temperature=0.0, max_new_tokens=plan.max_new_tokens, seed=0)}
     arms = [  # loaded one at a time, when its turn comes
         ("prompt-only (the instruct model as shipped)", lambda: HFPolicy.from_pretrained(base, **greedy)),
         ("SFT", lambda: HFPolicy.from_pretrained(out / "sft", **greedy)),

@@ -19,9 +19,9 @@ from cgym.agents.local.allocator import keep_freed_memory
 from cgym.agents.local.batching import kv_budgets, kv_bytes_per_token, length_chunks
 from cgym.agents.local.kv_cache import PrefixCache
 from cgym.agents.local.precision import SamplingWeights, compute_dtype
-from cgym.agents.local.sampling import LOOKUP_TOKENS, Sample, SamplingParams, sample_batch
+from cgym.agents.local.sampling import LOOKUP_TOKENS, Sample, sample_batch
 from cgym.agents.local.turn_cache import TurnCache
-from cgym.agents.options import SamplingOptions
+from cgym.agents.options import DEFAULT_SAMPLING, SamplingOptions
 from cgym.agents.pretrained import SHORT_NAMES, resolve_model
 from cgym.envs.errors import CgymError
 from transformers import (
@@ -43,9 +43,10 @@ class ModelLoadError(CgymError, OSError):
 class HFPolicy:
     """Samples assistant turns from a transformers model; keeps each conversation's ledger.
 
-    `temperature` 0 is greedy (log-probs then at temperature 1). Log-probs are those of
-    `log_softmax(logits / temperature)`; top-p is not reflected in them. With a `seed`, the
-    same sequence of `act` calls gives the same turns.
+    `sampling` holds every sampling setting (`agents.options.SamplingOptions`): `temperature` 0 is
+    greedy (log-probs then at temperature 1). Log-probs are those of
+    `log_softmax(logits / temperature)`; top-p is not reflected in them. Its `seed` seeds the
+    sampler: the same sequence of `act` calls gives the same turns.
 
     `max_context` (default: the model config's `max_position_embeddings`) ends conversations the
     model was not trained to read: one whose ledger already holds that many tokens is not
@@ -59,11 +60,8 @@ class HFPolicy:
         model: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase,
         *,
-        temperature: float = SamplingOptions.temperature,
-        top_p: float = SamplingOptions.top_p,
-        max_new_tokens: int = SamplingOptions.max_new_tokens,
+        sampling: SamplingOptions = DEFAULT_SAMPLING,
         device: str | torch.device = "cpu",
-        seed: int | None = None,
         name: str | None = None,
         draft_tokens: int = LOOKUP_TOKENS,
         max_context: int | None | Literal["model"] = "model",
@@ -75,9 +73,7 @@ class HFPolicy:
         self.max_context = max_context
         self.context_cuts = 0  # turns not sampled because the conversation filled max_context
         self.draft_tokens = draft_tokens  # prompt-lookup drafts per step once few rows are left (0: off)
-        self.params = SamplingParams(
-            temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens
-        )
+        self.params = sampling
         self.model = model.to(device).eval()
         self.tokenizer = tokenizer
         self.encoder = ChatEncoder(tokenizer)
@@ -86,10 +82,7 @@ class HFPolicy:
         self.turn_cache: TurnCache | None = TurnCache(turn_budget)  # each live conversation's keys/values, for its next turn
         self.sampling_weights = SamplingWeights(self.model)
         self.generator = torch.Generator(device=device)
-        if seed is None:
-            self.generator.seed()
-        else:
-            self.generator.manual_seed(seed)
+        self.generator.manual_seed(sampling.seed)
         self.name = name or f"hf:{getattr(model, 'name_or_path', '') or type(model).__name__}"
 
     @classmethod

@@ -25,8 +25,6 @@ from torch import Tensor
 from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
-SamplingParams = SamplingOptions  # how to pick tokens: the one sampling-settings type (agents.spec)
-
 
 @dataclass(frozen=True)
 class Sample:
@@ -235,7 +233,7 @@ def sample_batch(
     model: PreTrainedModel,
     prompts: Sequence[Sequence[int]],
     *,
-    params: SamplingParams,
+    params: SamplingOptions,
     stop_ids: Collection[int],
     pad_id: int,
     generator: torch.Generator | None = None,
@@ -305,7 +303,7 @@ def _decode(
     prompts: Sequence[Sequence[int]],
     head: tuple[list[Tensor], list[Tensor]] | None,
     served: bool,
-    params: SamplingParams,
+    params: SamplingOptions,
     stop_ids: Collection[int],
     pad_id: int,
     generator: torch.Generator | None,
@@ -395,7 +393,7 @@ class _Outputs:
 
 
 def _check_drafts(
-    model: PreTrainedModel, fed: Tensor, mask: Tensor, positions: Tensor, cache: Any, params: SamplingParams, generator: torch.Generator | None
+    model: PreTrainedModel, fed: Tensor, mask: Tensor, positions: Tensor, cache: Any, params: SamplingOptions, generator: torch.Generator | None
 ) -> tuple[Tensor, Tensor, Tensor]:
     """One forward over (b, n) ids, each row's last id then n - 1 drafts; `accept_drafts` picks
     what each row emits."""
@@ -403,7 +401,7 @@ def _check_drafts(
     return accept_drafts(logits, fed[:, 1:], params, generator)
 
 
-def accept_drafts(logits: Tensor, drafts: Tensor, params: SamplingParams, generator: torch.Generator | None) -> tuple[Tensor, Tensor, Tensor]:
+def accept_drafts(logits: Tensor, drafts: Tensor, params: SamplingOptions, generator: torch.Generator | None) -> tuple[Tensor, Tensor, Tensor]:
     """Which of (b, n - 1) drafted ids to keep, given the (b, n, V) logits after a row's last
     id and after each draft. Returns (b, n) ids, their log-probs and how many to emit per row:
     the kept drafts, then one id picked after them (the rest of a row's ids are filler).
@@ -539,7 +537,7 @@ def _left_pad(
 
 
 def _pick(
-    logits: Tensor, params: SamplingParams, generator: torch.Generator | None
+    logits: Tensor, params: SamplingOptions, generator: torch.Generator | None
 ) -> tuple[Tensor, Tensor]:
     """(b, V) logits -> sampled ids (b,) and their log-probs (b,)."""
     logp, allowed = _distribution(logits, params)
@@ -547,7 +545,7 @@ def _pick(
     return tok, logp.gather(-1, tok[:, None]).squeeze(1)
 
 
-def _distribution(logits: Tensor, params: SamplingParams) -> tuple[Tensor, Tensor]:
+def _distribution(logits: Tensor, params: SamplingOptions) -> tuple[Tensor, Tensor]:
     """(..., V) logits -> the log-probs stored for sampled ids (`log_softmax(logits /
     temperature)`, temperature 1 when greedy) and the unnormalised log-weights ids are drawn
     from (those log-probs with top-p applied)."""

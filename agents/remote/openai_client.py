@@ -33,7 +33,7 @@ from typing import Any
 
 import httpx
 from cgym.agents.base import Conversation, Message, Turn
-from cgym.agents.options import PolicySpecError, SamplingOptions
+from cgym.agents.options import DEFAULT_SAMPLING, PolicySpecError, SamplingOptions
 from cgym.envs.errors import CgymError, did_you_mean
 from cgym.envs.toolcall import parse_turn
 
@@ -87,9 +87,7 @@ class OpenAIPolicy:
         base_url: str,
         *,
         api_key: str | None = None,
-        temperature: float = SamplingOptions.temperature,
-        top_p: float = SamplingOptions.top_p,
-        max_tokens: int = SamplingOptions.max_new_tokens,
+        sampling: SamplingOptions = DEFAULT_SAMPLING,
         timeout_s: float = 60.0,
         deadline_s: float = 120.0,
         max_retries: int = 4,
@@ -98,22 +96,19 @@ class OpenAIPolicy:
         max_reply_bytes: int = MAX_REPLY_BYTES,
         concurrency: int = 8,
         native_tools: bool = True,
-        seed: int = 0,
         client: httpx.Client | None = None,
         sleep: Callable[[float], None] = time.sleep,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         _validate(
-            model=model, base_url=base_url, temperature=temperature, top_p=top_p, max_tokens=max_tokens, timeout_s=timeout_s,
+            model=model, base_url=base_url, timeout_s=timeout_s,
             deadline_s=deadline_s, max_retries=max_retries, backoff_s=backoff_s, max_retry_after_s=max_retry_after_s,
             max_reply_bytes=max_reply_bytes, concurrency=concurrency,
         )  # fmt: skip
         self.model = model
         self.base_url = base_url.rstrip("/")
         self.name = f"openai:{model}@{self.base_url}"
-        self.temperature = temperature
-        self.top_p = top_p
-        self.max_tokens = max_tokens
+        self.sampling = sampling  # max_new_tokens is the request's max_tokens
         self.timeout_s = timeout_s
         self.deadline_s = deadline_s
         self.max_retries = max_retries
@@ -127,7 +122,7 @@ class OpenAIPolicy:
         self._client = client if client is not None else httpx.Client(timeout=timeout_s)
         self._sleep = sleep
         self._clock = clock
-        self._rng = random.Random(seed)
+        self._rng = random.Random(sampling.seed)
         self._rng_lock = threading.Lock()
 
     @classmethod
@@ -172,9 +167,9 @@ class OpenAIPolicy:
         """The JSON body sent to `/chat/completions` for this conversation."""
         body: dict[str, Any] = {
             "model": self.model,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "max_tokens": self.max_tokens,
+            "temperature": self.sampling.temperature,
+            "top_p": self.sampling.top_p,
+            "max_tokens": self.sampling.max_new_tokens,
         }
         if self.native_tools:
             body["messages"] = to_native_messages(conversation.messages)
@@ -437,15 +432,12 @@ def spec_options(query: str, spec: str) -> dict[str, Any]:
 
 
 def _validate(
-    *, model: str, base_url: str, temperature: float, top_p: float, max_tokens: int, timeout_s: float, deadline_s: float,
+    *, model: str, base_url: str, timeout_s: float, deadline_s: float,
     max_retries: int, backoff_s: float, max_retry_after_s: float, max_reply_bytes: int, concurrency: int,
 ) -> None:  # fmt: skip
     checks = [
         (bool(model), f"model must be a non-empty name, got {model!r}"),
         (base_url.startswith(("http://", "https://")), f"base_url must be an http(s) URL, got {base_url!r}"),
-        (temperature >= 0, f"temperature must be >= 0, got {temperature}"),
-        (0 < top_p <= 1, f"top_p must be in (0, 1], got {top_p}"),
-        (max_tokens >= 1, f"max_tokens must be >= 1, got {max_tokens}"),
         (timeout_s > 0, f"timeout_s must be > 0 seconds, got {timeout_s}"),
         (deadline_s > 0, f"deadline_s must be > 0 seconds, got {deadline_s}"),
         (max_retries >= 0, f"max_retries must be >= 0, got {max_retries}"),

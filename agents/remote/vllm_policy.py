@@ -13,10 +13,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from cgym.agents.base import Conversation, Message, Turn
-from cgym.agents.options import SamplingOptions
+from cgym.agents.options import DEFAULT_SAMPLING, SamplingOptions
 from cgym.agents.remote.openai_client import PolicyError
-
-DEFAULT_SAMPLING = SamplingOptions()
 
 INSTALL_HINT = "vLLM is not installed: pip install 'critique-gym[vllm]' (needs a CUDA GPU)"
 
@@ -28,7 +26,7 @@ class BackendUnavailableError(PolicyError, ImportError):
 class VLLMPolicy:
     """Samples one assistant turn per conversation with `vllm.LLM.chat`, batched in one call.
 
-    Sampling defaults are `SamplingOptions`'s (`max_tokens` is its `max_new_tokens`). Extra
+    `sampling` maps onto `vllm.SamplingParams` (its `max_new_tokens` is vLLM's `max_tokens`). Extra
     keyword arguments go to `vllm.LLM` (e.g. `gpu_memory_utilization`, `dtype`).
     """
 
@@ -36,19 +34,16 @@ class VLLMPolicy:
         self,
         model: str,
         *,
-        temperature: float = DEFAULT_SAMPLING.temperature,
-        top_p: float = DEFAULT_SAMPLING.top_p,
-        max_tokens: int = DEFAULT_SAMPLING.max_new_tokens,
-        seed: int = DEFAULT_SAMPLING.seed,
+        sampling: SamplingOptions = DEFAULT_SAMPLING,
         **llm_kwargs: Any,
     ) -> None:
         vllm = import_vllm()
         self.model = model
         self.name = f"vllm:{model}"
-        self._llm = vllm.LLM(model=model, seed=seed, **llm_kwargs)
+        self._llm = vllm.LLM(model=model, seed=sampling.seed, **llm_kwargs)
         # logprobs=0: vLLM returns the sampled token's log-probability and no alternatives.
         self._sampling = vllm.SamplingParams(
-            temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed, logprobs=0
+            temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=sampling.max_new_tokens, seed=sampling.seed, logprobs=0
         )
 
     @classmethod

@@ -10,7 +10,7 @@ from cgym.agents.demos import demonstrations
 from cgym.agents.eval.audit import audit
 from cgym.agents.eval.episodes import run_episodes
 from cgym.agents.scripted import Family, ScriptedPolicy, family_for, scripted_names
-from cgym.envs import ScriptedAgentsError, registration
+from cgym.envs import ScriptedAgentsError
 from cgym.envs.errors import InvalidChoiceError, UnknownEnvError
 
 from cgym import envs

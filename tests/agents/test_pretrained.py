@@ -15,6 +15,7 @@ from cgym.agents.base import Conversation
 from cgym.agents.ledger import ChatEncoder, template_renders_tools
 from cgym.agents.local.hf import HFPolicy
 from cgym.agents.local.sampling import sequence_logprobs
+from cgym.agents.options import SamplingOptions
 from cgym.agents.pretrained import MODELS, ModelFetchError, WheelModel, fetch_model, resolve_model
 from cgym.trainer.tiny import train_tokenizer
 from gguf_fixture import small_llama, write_gguf
@@ -162,7 +163,7 @@ def test_tools_go_into_the_system_prompt_when_the_template_ignores_them(smol_dir
 
 
 def test_tools_in_the_system_prompt_keep_the_ledger_token_exact(smol_dir: Path) -> None:
-    policy = HFPolicy.from_pretrained(smol_dir, max_new_tokens=12, seed=0)
+    policy = HFPolicy.from_pretrained(smol_dir, sampling=SamplingOptions(max_new_tokens=12, seed=0))
     conv = Conversation([{"role": "system", "content": "You are an API agent."}, {"role": "user", "content": "Report customer 7."}], TOOLS)
     for turn in range(3):
         text = policy.act([conv])[0].text

@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 import torch
 from cgym.agents.base import Conversation, Turn
+from cgym.agents.options import SamplingOptions
 from cgym.agents.remote.openai_client import OpenAIPolicy
 from cgym.envs.core import AgentEnv, SimpleTask
 from cgym.envs.episode import Episode
@@ -144,7 +145,7 @@ def test_openai_policy_against_transformers_serve(server) -> None:
         ],
         tools=[SEARCH_TOOL],
     )
-    with OpenAIPolicy(str(model_dir), base_url, max_tokens=12, timeout_s=REQUEST_TIMEOUT_S, max_retries=0) as policy:
+    with OpenAIPolicy(str(model_dir), base_url, sampling=SamplingOptions(max_new_tokens=12), timeout_s=REQUEST_TIMEOUT_S, max_retries=0) as policy:
         turns = policy.act([plain, with_tools])
     assert len(turns) == 2
     assert all(isinstance(turn, Turn) and isinstance(turn.text, str) for turn in turns)
@@ -158,7 +159,7 @@ def test_pushed_weights_reach_the_server(server, tmp_path: Path) -> None:
     model_dir, base_url = server
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
-    served = ServedPolicy(tokenizer, base_url, temperature=0.0, max_new_tokens=8, timeout_s=REQUEST_TIMEOUT_S)
+    served = ServedPolicy(tokenizer, base_url, sampling=SamplingOptions(temperature=0.0, max_new_tokens=8), timeout_s=REQUEST_TIMEOUT_S)
     start = {name: p.detach().clone() for name, p in model.named_parameters()}
 
     def reply(step: int) -> str:
@@ -206,7 +207,7 @@ def test_training_samples_from_the_server_and_pushes_each_step(server, tmp_path:
     out = tmp_path / "run"
     config = TrainConfig(
         env_id="one-word", model=str(model_dir), out=str(out), steps=2, group_size=4, tasks_per_step=2, learning_rate=3e-3,
-        max_new_tokens=6, eval_episodes=0, progress=False, served=base_url,
+        sampling=SamplingOptions(max_new_tokens=6), eval_episodes=0, progress=False, served=base_url,
     )  # fmt: skip
     train(config, make_env=lambda split: _OneWord())
 

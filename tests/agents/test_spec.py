@@ -85,9 +85,16 @@ def test_sampling_options_reach_vllm_policies(monkeypatch: pytest.MonkeyPatch) -
     assert seen["llm"] == {"model": "some/model", "seed": 7}
 
 
-def test_vllm_defaults_are_the_sampling_options_defaults() -> None:
+def test_every_backend_takes_the_sampling_settings_as_one_object() -> None:
+    """No backend restates a sampling field: each takes `sampling`, defaulting to SamplingOptions()."""
     import inspect
 
-    params = inspect.signature(cgym.agents.remote.vllm_policy.VLLMPolicy).parameters
-    defaults = SamplingOptions()
-    assert (params["temperature"].default, params["top_p"].default, params["max_tokens"].default) == (defaults.temperature, defaults.top_p, defaults.max_new_tokens)
+    from cgym.agents.local.hf import HFPolicy
+    from cgym.agents.remote.openai_client import OpenAIPolicy
+    from cgym.trainer.samplers.served import ServedPolicy
+    from cgym.trainer.samplers.vllm_sampler import VLLMSampler
+
+    fields = {"temperature", "top_p", "max_new_tokens", "max_tokens", "seed"}
+    for backend in (HFPolicy, OpenAIPolicy, cgym.agents.remote.vllm_policy.VLLMPolicy, ServedPolicy, VLLMSampler):
+        params = inspect.signature(backend).parameters
+        assert params["sampling"].default == SamplingOptions() and not fields & set(params), backend.__name__

@@ -165,6 +165,7 @@ print(type(env.unwrapped).__name__, "cgym.envs" in sys.modules)
 
 def test_critique_gym_takes_the_module_prefix_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     from cgym.agents.scripted import family_for
+
     from cgym.cli import main
 
     (tmp_path / "plugorg_envs2.py").write_text(textwrap.dedent(SELF_REGISTERING).replace("plugorg/Sum-v0", "plugorg/Sum2-v0"))

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from cgym.agents.options import SamplingOptions
 from cgym.envs.errors import CgymError
 from cgym.trainer import grpo
 from cgym.trainer.checkpoint import MANIFEST, STATE_FILE, CheckpointError, latest_checkpoint, load_state, save_checkpoint, verify_checkpoint
@@ -185,7 +186,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _config(model: Path, out: Path, **overrides) -> TrainConfig:
-    base = dict(env_id="toy", model=str(model), out=str(out), steps=4, group_size=4, tasks_per_step=1, learning_rate=3e-3, max_new_tokens=4, micro_batch_size=4, save_every=2, progress=False, seed=0)
+    base = dict(env_id="toy", model=str(model), out=str(out), steps=4, group_size=4, tasks_per_step=1, learning_rate=3e-3, sampling=SamplingOptions(max_new_tokens=4), micro_batch_size=4, save_every=2, progress=False, seed=0)
     return TrainConfig(**{**base, **overrides})
 
 

@@ -17,8 +17,9 @@ from cgym.trainer.config import TrainConfig
         pytest.param(TrainConfig, {"model": "tiny", "group_size": 1}, "group_size", id="train-group-of-one"),
         pytest.param(TrainConfig, {"model": "tiny", "critique": "stepp"}, "Did you mean 'step'", id="train-critique-typo"),
         pytest.param(TrainConfig, {"model": "tiny", "loss_type": "dapoo"}, "Did you mean 'dapo'", id="train-loss-type-typo"),
-        pytest.param(TrainConfig, {"model": "tiny", "top_p": 1.5}, "top_p", id="train-top-p"),
-        pytest.param(TrainConfig, {"model": "tiny", "max_new_tokens": 0}, "max_new_tokens", id="train-max-new-tokens"),
+        pytest.param(TrainConfig.from_dict, {"values": {"model": "tiny", "top_p": 1.5}}, "top_p", id="train-top-p"),
+        pytest.param(TrainConfig.from_dict, {"values": {"model": "tiny", "max_new_tokens": 0}}, "max_new_tokens", id="train-max-new-tokens"),
+        pytest.param(TrainConfig.from_dict, {"values": {"model": "tiny", "temprature": 0.5}}, "Did you mean 'temperature'", id="train-sampling-typo"),
         pytest.param(TrainConfig, {}, "model is required", id="train-no-model"),
         pytest.param(EvalConfig, {"env_id": "cgym/ApiReport-v0", "episodes": 0}, "episodes", id="eval-episodes"),
         pytest.param(EvalConfig, {"env_id": "cgym/ApiReport-v0", "batch_size": 0}, "batch_size", id="eval-batch-size"),
@@ -33,5 +34,9 @@ def test_bad_settings_raise_config_error(config: type, kwargs: dict[str, Any], f
 
 
 def test_train_sampling_is_one_sampling_options() -> None:
-    config = TrainConfig(model="tiny", temperature=0.5, top_p=0.9, seed=3)
-    assert config.sampling == SamplingOptions(temperature=0.5, top_p=0.9, max_new_tokens=96, seed=3)
+    config = TrainConfig(model="tiny", sampling=SamplingOptions(temperature=0.5, top_p=0.9), seed=3)
+    assert config.sampling == SamplingOptions(temperature=0.5, top_p=0.9, max_new_tokens=256, seed=3)  # the run's seed
+    assert TrainConfig(model="tiny").sampling.max_new_tokens == 96  # training turns are short by default
+    flat = TrainConfig.from_dict({"model": "tiny", "temperature": 0.5, "top_p": 0.9, "seed": 3})
+    assert flat.sampling == SamplingOptions(temperature=0.5, top_p=0.9, max_new_tokens=96, seed=3)
+    assert TrainConfig(**flat.to_dict()) == flat  # to_dict nests the settings, and reads back

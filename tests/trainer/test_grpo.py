@@ -7,6 +7,7 @@ from typing import ClassVar
 import numpy as np
 import pytest
 import torch
+from cgym.agents.options import SamplingOptions
 from cgym.envs.core import AgentEnv
 from cgym.envs.episode import Episode
 from cgym.envs.rubric import Check, CheckResult, Rubric
@@ -53,7 +54,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _config(model: Path, out: Path, **overrides) -> TrainConfig:
-    base = dict(env_id="toy", model=str(model), out=str(out), steps=10, group_size=8, tasks_per_step=2, learning_rate=3e-3, max_new_tokens=8, micro_batch_size=8, progress=False, seed=0)
+    base = dict(env_id="toy", model=str(model), out=str(out), steps=10, group_size=8, tasks_per_step=2, learning_rate=3e-3, sampling=SamplingOptions(max_new_tokens=8), micro_batch_size=8, progress=False, seed=0)
     return TrainConfig(**{**base, **overrides})
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from cgym.agents.options import SamplingOptions
 from cgym.envs.errors import ConfigError
 from cgym.trainer.config import TrainConfig
 from cgym.trainer.grpo import _draw_envs, train
@@ -50,7 +51,7 @@ def test_bad_env_mixes_are_config_errors(fields: dict, message: str) -> None:
 def test_both_builtins_train_with_per_env_metrics_and_evals(tiny_chat_model: Path, tmp_path: Path) -> None:
     config = TrainConfig(
         envs=(API, SQL), env_kwargs={"difficulty": "easy"}, model=str(tiny_chat_model), out=str(tmp_path / "run"),
-        steps=2, group_size=2, tasks_per_step=4, max_new_tokens=8, micro_batch_size=8, eval_episodes=2, progress=False, seed=1,
+        steps=2, group_size=2, tasks_per_step=4, sampling=SamplingOptions(max_new_tokens=8), micro_batch_size=8, eval_episodes=2, progress=False, seed=1,
     )  # fmt: skip
     result = train(config)
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

@@ -11,6 +11,7 @@ import torch
 from cgym.agents.base import Conversation
 from cgym.agents.ledger import ChatEncoder, LedgerError
 from cgym.agents.local.hf import HFPolicy
+from cgym.agents.options import SamplingOptions
 from cgym.trainer.sft import WARMUP, _schedule, fit, length_buckets, sft
 from cgym.trainer.tiny import build_tiny, copy_drills
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -140,7 +141,7 @@ def test_loss_decreases(trained: tuple[Path, dict]) -> None:
 def test_output_loads_and_imitates_the_demos(trained: tuple[Path, dict]) -> None:
     out, _ = trained
     assert AutoModelForCausalLM.from_pretrained(out).config.model_type == "qwen2"
-    policy = HFPolicy.from_pretrained(out, temperature=0.0, max_new_tokens=48)
+    policy = HFPolicy.from_pretrained(out, sampling=SamplingOptions(temperature=0.0, max_new_tokens=48))
     messages, tools = DEMOS[2]
     (turn,) = policy.act([Conversation(messages=messages[:2], tools=tools)])
     # Copying the customer id is beyond a few steps of SFT; the call's shape and the stop are not.

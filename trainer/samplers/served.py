@@ -33,7 +33,7 @@ import httpx
 import torch
 from cgym.agents.base import Conversation, Turn
 from cgym.agents.ledger import ChatEncoder
-from cgym.agents.options import SamplingOptions
+from cgym.agents.options import DEFAULT_SAMPLING, SamplingOptions
 from cgym.agents.remote.openai_client import OpenAIPolicy, PolicyError
 from cgym.agents.spec import SERVED_ENGINES, ServedEngine
 from cgym.envs.errors import ConfigError
@@ -77,10 +77,7 @@ class ServedPolicy:
         *,
         engine: ServedEngine = "transformers",
         model: str = "",
-        temperature: float = SamplingOptions.temperature,
-        top_p: float = SamplingOptions.top_p,
-        max_new_tokens: int = SamplingOptions.max_new_tokens,
-        seed: int = 0,
+        sampling: SamplingOptions = DEFAULT_SAMPLING,
         concurrency: int = 8,
         timeout_s: float = 300.0,
         client: httpx.Client | None = None,
@@ -92,8 +89,8 @@ class ServedPolicy:
         self.engine = engine
         self.model = model or "unpushed"
         self.transport = OpenAIPolicy(
-            self.model, base_url, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens,
-            timeout_s=timeout_s, deadline_s=timeout_s * 2, concurrency=concurrency, native_tools=False, seed=seed, client=client,
+            self.model, base_url, sampling=sampling,
+            timeout_s=timeout_s, deadline_s=timeout_s * 2, concurrency=concurrency, native_tools=False, client=client,
         )  # fmt: skip
         self.base_url = self.transport.base_url
         self.name = f"served:{engine}@{self.base_url}"
@@ -102,7 +99,7 @@ class ServedPolicy:
         self.weights_step: int | None = None
         self.prompt_mismatches = 0
         self._weights_dir: Path | None = None
-        self._seed = seed
+        self._seed = sampling.seed
         self._requests = 0
 
     def reseed(self, seed: int) -> None:
@@ -126,8 +123,8 @@ class ServedPolicy:
 
     def request_body(self, conv: Conversation, *, seed: int) -> dict[str, Any]:
         """The `/v1/completions` body that continues `conv`'s ledger, in this engine's dialect."""
-        t = self.transport
-        body: dict[str, Any] = {"model": self.model, "max_tokens": t.max_tokens, "temperature": t.temperature, "top_p": t.top_p, "seed": seed}
+        s = self.transport.sampling
+        body: dict[str, Any] = {"model": self.model, "max_tokens": s.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p, "seed": seed}
         if self.engine == "vllm":
             return body | {
                 "prompt": list(conv.token_ids), "stop_token_ids": self.stop_ids, "logprobs": 1,
@@ -135,7 +132,7 @@ class ServedPolicy:
             }  # fmt: skip
         # transformers serve rejects unknown fields; its own `generation_config` field carries the
         # stop ids, and top_k 0 keeps it from cutting the distribution (the in-process sampler does not)
-        generation = {"max_new_tokens": t.max_tokens, "do_sample": t.temperature > 0, "eos_token_id": self.stop_ids, "top_k": 0}
+        generation = {"max_new_tokens": s.max_new_tokens, "do_sample": s.temperature > 0, "eos_token_id": self.stop_ids, "top_k": 0}
         return body | {"prompt": self.tokenizer.decode(conv.token_ids, skip_special_tokens=False), "generation_config": json.dumps(generation)}
 
     def _record(self, conv: Conversation, reply: dict[str, Any]) -> Turn:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from cgym.agents.base import Conversation, Turn
 from cgym.agents.ledger import ChatEncoder
-from cgym.agents.options import SamplingOptions
+from cgym.agents.options import DEFAULT_SAMPLING, SamplingOptions
 from cgym.agents.remote.openai_client import PolicyError
 from cgym.agents.remote.vllm_policy import import_vllm
 from cgym.trainer.samplers.served import record_turn, reply_text, save_atomic, stop_ids
@@ -53,10 +53,7 @@ class VLLMSampler:
         *,
         lora_r: int = 0,
         gpu_memory_utilization: float = 0.3,
-        temperature: float = SamplingOptions.temperature,
-        top_p: float = SamplingOptions.top_p,
-        max_new_tokens: int = SamplingOptions.max_new_tokens,
-        seed: int = 0,
+        sampling: SamplingOptions = DEFAULT_SAMPLING,
         **llm_kwargs: Any,
     ) -> None:
         self._vllm = import_vllm()
@@ -68,12 +65,12 @@ class VLLMSampler:
         if lora_r > 0:
             llm_kwargs |= {"enable_lora": True, "max_lora_rank": lora_rank_bound(lora_r), "max_loras": 1}
         # the trainer's model shares the GPU, so vLLM gets a fraction of its memory
-        self.llm = self._vllm.LLM(model=model, seed=seed, gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=True, **llm_kwargs)
-        self.temperature, self.top_p, self.max_new_tokens = temperature, top_p, max_new_tokens
+        self.llm = self._vllm.LLM(model=model, seed=sampling.seed, gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=True, **llm_kwargs)
+        self.sampling = sampling
         self.weights_step: int | None = None
         self._lora: Any = None
         self._adapter_dir: Path | None = None
-        self._seed, self._requests = seed, 0
+        self._seed, self._requests = sampling.seed, 0
 
     def reseed(self, seed: int) -> None:
         """Seed the next requests from `seed` (the trainer calls this per rollout batch)."""
@@ -97,7 +94,7 @@ class VLLMSampler:
     def sampling_params(self, seed: int) -> Any:
         """One request's `vllm.SamplingParams`: the sampled token's log-prob, the template's stop ids."""
         return self._vllm.SamplingParams(
-            temperature=self.temperature, top_p=self.top_p, max_tokens=self.max_new_tokens, seed=seed,
+            temperature=self.sampling.temperature, top_p=self.sampling.top_p, max_tokens=self.sampling.max_new_tokens, seed=seed,
             logprobs=0, stop_token_ids=self.stop_ids, skip_special_tokens=False,
         )  # fmt: skip
 

@@ -9,7 +9,8 @@ tally per position, against the softmax it should match.
 from __future__ import annotations
 
 import torch
-from cgym.agents.local.sampling import SamplingParams, accept_drafts
+from cgym.agents.local.sampling import accept_drafts
+from cgym.agents.options import SamplingOptions
 
 ROWS = 60_000
 # (n, V) logits after a row's last id and after each of its two drafts
@@ -17,7 +18,7 @@ LOGITS = torch.tensor([[2.0, 0.5, 0.0, -1.0, 1.0], [0.0, 1.0, 1.2, -0.5, 0.3], [
 DRAFTS = [0, 2]  # p_0(0) is about 0.6, p_1(2) about 0.4: every branch sees thousands of rows
 
 
-def _run(params: SamplingParams, logits: torch.Tensor = LOGITS, drafts: list[int] = DRAFTS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _run(params: SamplingOptions, logits: torch.Tensor = LOGITS, drafts: list[int] = DRAFTS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return accept_drafts(logits.expand(ROWS, -1, -1), torch.tensor([drafts]).expand(ROWS, -1), params, torch.Generator().manual_seed(0))
 
 
@@ -25,7 +26,7 @@ def _tally(ids: torch.Tensor, vocab: int) -> torch.Tensor:
     return torch.bincount(ids, minlength=vocab).double() / len(ids)
 
 
-def _target(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+def _target(logits: torch.Tensor, params: SamplingOptions) -> torch.Tensor:
     """The distribution one-at-a-time sampling draws from: softmax at the temperature, then
     the top-p set renormalised."""
     p = torch.softmax(logits.double() / params.temperature, -1)
@@ -38,7 +39,7 @@ def _target(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return p
 
 
-def _assert_each_id_follows_its_distribution(params: SamplingParams) -> None:
+def _assert_each_id_follows_its_distribution(params: SamplingOptions) -> None:
     ids, logprobs, emit = _run(params)
     vocab = LOGITS.shape[1]
     first_kept = ids[:, 0] == DRAFTS[0]
@@ -55,12 +56,12 @@ def _assert_each_id_follows_its_distribution(params: SamplingParams) -> None:
 
 
 def test_sampled_drafts_keep_the_distribution_of_one_id_at_a_time() -> None:
-    _assert_each_id_follows_its_distribution(SamplingParams(temperature=1.0))
-    _assert_each_id_follows_its_distribution(SamplingParams(temperature=0.7))
+    _assert_each_id_follows_its_distribution(SamplingOptions(temperature=1.0))
+    _assert_each_id_follows_its_distribution(SamplingOptions(temperature=0.7))
 
 
 def test_sampled_drafts_keep_the_top_p_distribution() -> None:
-    params = SamplingParams(temperature=1.0, top_p=0.7)
+    params = SamplingOptions(temperature=1.0, top_p=0.7)
     _assert_each_id_follows_its_distribution(params)
     outside = int(_target(LOGITS[0], params).argmin())  # an id the top-p set leaves out
     ids, _, emit = _run(params, drafts=[outside, 2])
@@ -70,12 +71,12 @@ def test_sampled_drafts_keep_the_top_p_distribution() -> None:
 def test_a_sure_draft_is_always_kept() -> None:
     logits = LOGITS.clone()
     logits[0] = torch.tensor([0.0, -1e4, -1e4, -1e4, -1e4])  # all of p_0's mass on id 0
-    ids, _, emit = _run(SamplingParams(temperature=1.0), logits=logits)
+    ids, _, emit = _run(SamplingOptions(temperature=1.0), logits=logits)
     assert bool((ids[:, 0] == 0).all()) and bool((emit >= 2).all())
 
 
 def test_greedy_keeps_the_drafts_that_match_the_argmax() -> None:
     logits = torch.stack([LOGITS, LOGITS])  # argmax: 0, then 2, then 2
-    ids, logprobs, emit = accept_drafts(logits, torch.tensor([[0, 2], [0, 1]]), SamplingParams(temperature=0.0), None)
+    ids, logprobs, emit = accept_drafts(logits, torch.tensor([[0, 2], [0, 1]]), SamplingOptions(temperature=0.0), None)
     assert ids.tolist() == [[0, 2, 2], [0, 2, 2]] and emit.tolist() == [3, 2]
     torch.testing.assert_close(logprobs[0], torch.log_softmax(LOGITS, -1)[[0, 1, 2], [0, 2, 2]])

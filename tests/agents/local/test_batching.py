@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from cgym.agents.local.batching import LENGTH_RATIO, kv_budgets, kv_bytes_per_token, length_chunks
 from cgym.agents.local.hf import HFPolicy
+from cgym.agents.options import SamplingOptions
 from cgym.envs.errors import ConfigError
 from cgym.trainer.tiny import build_tiny
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
@@ -61,7 +62,7 @@ def test_budget_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def policy_for(tiny_dir: Path, temperature: float) -> HFPolicy:
     model = AutoModelForCausalLM.from_pretrained(tiny_dir)
-    return HFPolicy(model, AutoTokenizer.from_pretrained(tiny_dir), temperature=temperature, max_new_tokens=10, seed=3)
+    return HFPolicy(model, AutoTokenizer.from_pretrained(tiny_dir), sampling=SamplingOptions(temperature=temperature, max_new_tokens=10, seed=3))
 
 
 def test_chunked_greedy_turns_match_one_batch(tiny_dir: Path) -> None:

@@ -15,6 +15,7 @@ from cgym.agents.base import Conversation, Policy, Turn
 from cgym.agents.ledger import ChatEncoder, LedgerError
 from cgym.agents.local.hf import HFPolicy
 from cgym.agents.local.sampling import _top_p_mask, sequence_logprobs, shared_prefix_len
+from cgym.agents.options import SamplingOptions
 from cgym.trainer.tiny import build_tiny
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -105,7 +106,7 @@ def test_is_a_policy(model, tokenizer) -> None:
 
 
 def test_three_turn_episode_is_token_exact(model, tokenizer) -> None:
-    policy = HFPolicy(model, tokenizer, max_new_tokens=24, seed=0)
+    policy = HFPolicy(model, tokenizer, sampling=SamplingOptions(max_new_tokens=24, seed=0))
     conv = new_conversation()
     (turns,) = play(policy, [conv], turns=3)
 
@@ -129,7 +130,7 @@ def test_three_turn_episode_is_token_exact(model, tokenizer) -> None:
 
 def test_sampled_ids_are_never_retokenized(model, tokenizer) -> None:
     """The env stores decoded text; the ledger keeps the sampled ids, whatever they re-encode to."""
-    policy = HFPolicy(model, tokenizer, max_new_tokens=32, seed=3)
+    policy = HFPolicy(model, tokenizer, sampling=SamplingOptions(max_new_tokens=32, seed=3))
     conv = new_conversation()
     (turn,) = policy.act([conv])
     ledger = list(conv.token_ids)
@@ -144,7 +145,7 @@ def test_sampled_ids_are_never_retokenized(model, tokenizer) -> None:
 
 
 def test_batched_act_matches_forward_pass(model, tokenizer) -> None:
-    policy = HFPolicy(model, tokenizer, max_new_tokens=20, seed=1)
+    policy = HFPolicy(model, tokenizer, sampling=SamplingOptions(max_new_tokens=20, seed=1))
     convs = [new_conversation("Orders? " * n) for n in (1, 6, 15)]
     assert len({len(policy.encoder.render(c.messages, TOOLS, True)) for c in convs}) == 3
     play(policy, convs, turns=2)
@@ -222,7 +223,7 @@ def test_no_shared_prefix_with_left_padding_or_one_row() -> None:
 
 def test_same_seed_same_turns(model, tokenizer) -> None:
     def run(seed: int) -> list[list[Turn]]:
-        policy = HFPolicy(model, tokenizer, max_new_tokens=16, seed=seed)
+        policy = HFPolicy(model, tokenizer, sampling=SamplingOptions(max_new_tokens=16, seed=seed))
         return play(policy, [new_conversation("a"), new_conversation("b b b")], turns=2)
 
     assert run(5) == run(5)
@@ -233,12 +234,12 @@ def test_same_seed_same_turns(model, tokenizer) -> None:
 def test_temperature_logprobs(model, tokenizer, temperature: float) -> None:
     """Greedy stores temperature-1 log-probs; otherwise those of logits / temperature."""
     convs = [new_conversation(), new_conversation("x")]
-    policy = HFPolicy(model, tokenizer, temperature=temperature, max_new_tokens=12, seed=0)
+    policy = HFPolicy(model, tokenizer, sampling=SamplingOptions(temperature=temperature, max_new_tokens=12, seed=0))
     turns = policy.act(convs)
     for conv in convs:
         assert_ledger_reproduced(model, conv, temperature if temperature > 0 else 1.0)
     if temperature == 0:
-        again = HFPolicy(model, tokenizer, temperature=0, max_new_tokens=12, seed=99).act(
+        again = HFPolicy(model, tokenizer, sampling=SamplingOptions(temperature=0, max_new_tokens=12, seed=99)).act(
             [new_conversation(), new_conversation("x")]
         )
         assert again == turns
@@ -251,8 +252,8 @@ def test_top_p_mask_keeps_the_nucleus() -> None:
 
 
 def test_top_p_sampling_stays_in_the_nucleus(model, tokenizer) -> None:
-    policy = HFPolicy(model, tokenizer, top_p=1e-6, max_new_tokens=8, seed=0)
-    greedy = HFPolicy(model, tokenizer, temperature=0.0, max_new_tokens=8)
+    policy = HFPolicy(model, tokenizer, sampling=SamplingOptions(top_p=1e-6, max_new_tokens=8, seed=0))
+    greedy = HFPolicy(model, tokenizer, sampling=SamplingOptions(temperature=0.0, max_new_tokens=8))
     # A nucleus smaller than any token's mass holds only the top token: sampling becomes greedy.
     assert (
         policy.act([new_conversation()])[0].token_ids
@@ -277,7 +278,7 @@ def biased(model, token_id: int, bias: float) -> Iterator[None]:
 
 def test_stops_at_end_of_turn_or_max_new_tokens(model, tokenizer) -> None:
     eot = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    policy = HFPolicy(model, tokenizer, max_new_tokens=6, seed=0)
+    policy = HFPolicy(model, tokenizer, sampling=SamplingOptions(max_new_tokens=6, seed=0))
     convs = [new_conversation(str(i)) for i in range(12)]
     with biased(model, eot, 5.0):
         turns = policy.act(convs)
@@ -298,7 +299,7 @@ def test_other_eos_is_replaced_by_end_of_turn(model, tokenizer) -> None:
     saved = model.generation_config.eos_token_id
     model.generation_config.eos_token_id = [eot, other]
     try:
-        policy = HFPolicy(model, tokenizer, max_new_tokens=8, seed=0)
+        policy = HFPolicy(model, tokenizer, sampling=SamplingOptions(max_new_tokens=8, seed=0))
         conv = new_conversation()
         with biased(model, other, 50.0):
             (turn,) = policy.act([conv])
@@ -309,7 +310,7 @@ def test_other_eos_is_replaced_by_end_of_turn(model, tokenizer) -> None:
 
 
 def test_acting_twice_without_recording_the_turn_fails(model, tokenizer) -> None:
-    policy = HFPolicy(model, tokenizer, max_new_tokens=4, seed=0)
+    policy = HFPolicy(model, tokenizer, sampling=SamplingOptions(max_new_tokens=4, seed=0))
     conv = new_conversation()
     policy.act([conv])
     with pytest.raises(LedgerError, match="append the assistant message"):
@@ -337,11 +338,11 @@ def test_template_without_prefix_property_is_detected(tokenizer) -> None:
 )
 def test_bad_sampling_options(model, tokenizer, kwargs: dict) -> None:
     with pytest.raises(ValueError, match=next(iter(kwargs))):
-        HFPolicy(model, tokenizer, **kwargs)
+        HFPolicy(model, tokenizer, sampling=SamplingOptions(**kwargs))
 
 
 def test_from_pretrained(tiny_dir: Path) -> None:
-    policy = HFPolicy.from_pretrained(tiny_dir, max_new_tokens=3, seed=0)
+    policy = HFPolicy.from_pretrained(tiny_dir, sampling=SamplingOptions(max_new_tokens=3, seed=0))
     assert policy.name == f"hf:{tiny_dir}"
     assert policy.model.dtype == torch.float32
     assert len(policy.act([new_conversation()])) == 1
@@ -353,11 +354,11 @@ def test_from_pretrained_loads_in_the_compute_dtype(tiny_dir: Path, monkeypatch:
     from cgym.agents.local.precision import DTYPE_ENV
 
     monkeypatch.setenv(DTYPE_ENV, "bfloat16")
-    policy = HFPolicy.from_pretrained(tiny_dir, max_new_tokens=3, seed=0)
+    policy = HFPolicy.from_pretrained(tiny_dir, sampling=SamplingOptions(max_new_tokens=3, seed=0))
     assert policy.model.dtype == torch.bfloat16
     assert policy.sampling_weights.get() is policy.model
     assert len(policy.act([new_conversation()])) == 1
-    master = HFPolicy.from_pretrained(tiny_dir, dtype=torch.float32, max_new_tokens=3, seed=0)
+    master = HFPolicy.from_pretrained(tiny_dir, dtype=torch.float32, sampling=SamplingOptions(max_new_tokens=3, seed=0))
     assert master.model.dtype == torch.float32 and master.sampling_weights.get().dtype == torch.bfloat16
 
 
@@ -369,11 +370,11 @@ def _prefixed_prompts(tokenizer, n: int = 4) -> list[list[int]]:
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
 def test_shared_prefix_sampling_matches_unshared(model, tokenizer, temperature: float) -> None:
     from cgym.agents.local.kv_cache import PREFIX_ATTENTION, PrefixCache
-    from cgym.agents.local.sampling import SamplingParams, common_prefix_len, sample_batch
+    from cgym.agents.local.sampling import common_prefix_len, sample_batch
 
     prompts = _prefixed_prompts(tokenizer)
     assert common_prefix_len(prompts) >= 16
-    params = SamplingParams(temperature=temperature, max_new_tokens=12)
+    params = SamplingOptions(temperature=temperature, max_new_tokens=12)
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
 
     def run(**kw):
@@ -397,7 +398,7 @@ def test_a_prefill_in_pieces_matches_one_piece(model, tokenizer, temperature: fl
     import cgym.agents.local.sampling as sampling
 
     prompts = _prefixed_prompts(tokenizer)  # rows of different lengths: left padding in the pieces
-    params = sampling.SamplingParams(temperature=temperature, max_new_tokens=12)
+    params = SamplingOptions(temperature=temperature, max_new_tokens=12)
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
 
     def run() -> list[sampling.Sample]:
@@ -421,7 +422,7 @@ def test_prefix_cache_is_invalidated_by_a_weight_update(tiny_dir: Path) -> None:
 
     model = AutoModelForCausalLM.from_pretrained(tiny_dir)
     tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
-    policy = HFPolicy(model, tokenizer, max_new_tokens=4, seed=0)
+    policy = HFPolicy(model, tokenizer, sampling=SamplingOptions(max_new_tokens=4, seed=0))
     policy.act([new_conversation()])
     prompt = new_conversation()
     policy.encoder.sync(prompt)
@@ -434,12 +435,12 @@ def test_prefix_cache_is_invalidated_by_a_weight_update(tiny_dir: Path) -> None:
 def test_prefill_hands_the_lm_head_a_contiguous_input(model, tokenizer) -> None:
     """A strided (B, 1, D) slice made the LM head's matmul copy its weight once per row (2.3 s a
     32-row prefill with SmolLM2 in bf16); the sampler asks for the last column by index."""
-    from cgym.agents.local.sampling import SamplingParams, sample_batch
+    from cgym.agents.local.sampling import sample_batch
 
     seen = []
     hook = model.get_output_embeddings().register_forward_pre_hook(lambda _, args: seen.append((tuple(args[0].shape), args[0].is_contiguous())))
     try:
-        sample_batch(model, _prefixed_prompts(tokenizer), params=SamplingParams(temperature=0.0, max_new_tokens=3), stop_ids=set(), pad_id=0, share_prefix=False)
+        sample_batch(model, _prefixed_prompts(tokenizer), params=SamplingOptions(temperature=0.0, max_new_tokens=3), stop_ids=set(), pad_id=0, share_prefix=False)
     finally:
         hook.remove()
     assert seen and seen[0][0][:2] == (4, 1)  # the prefill: 4 rows, one column each
@@ -500,10 +501,10 @@ def counted_forwards(model) -> Iterator[list[int]]:
 def test_prompt_lookup_drafts_keep_the_greedy_ids(model, tokenizer, share_prefix: bool) -> None:
     """Greedy rows draft ids from their own context and verify them in one forward: the same
     ids and log-probs as one id per forward, in fewer forwards (the tiny model repeats itself)."""
-    from cgym.agents.local.sampling import LOOKUP_TOKENS, SamplingParams, sample_batch
+    from cgym.agents.local.sampling import LOOKUP_TOKENS, sample_batch
 
     prompts = _prefixed_prompts(tokenizer, n=3)
-    params = SamplingParams(temperature=0.0, max_new_tokens=40)
+    params = SamplingOptions(temperature=0.0, max_new_tokens=40)
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
 
     def run(draft_tokens: int):
@@ -523,10 +524,10 @@ def test_prompt_lookup_drafts_keep_the_greedy_ids(model, tokenizer, share_prefix
 def test_sampled_rows_check_drafts_and_keep_the_models_logprobs(model, tokenizer) -> None:
     """Sampled rows draft too (`accept_drafts` keeps their distribution): a seed still gives the
     same ids, and each id's log-prob is the model's for it after the ids before it."""
-    from cgym.agents.local.sampling import LOOKUP_TOKENS, SamplingParams, sample_batch
+    from cgym.agents.local.sampling import LOOKUP_TOKENS, sample_batch
 
     prompts = _prefixed_prompts(tokenizer, n=3)
-    params = SamplingParams(temperature=0.15, max_new_tokens=40)  # cool enough that the tiny model repeats itself, not always
+    params = SamplingOptions(temperature=0.15, max_new_tokens=40)  # cool enough that the tiny model repeats itself, not always
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
 
     def run():
@@ -550,14 +551,14 @@ def test_a_conversation_past_max_context_gets_an_empty_cut_turn(model, tokenizer
     for conv in (copy.deepcopy(short), copy.deepcopy(long)):
         encoder.sync(conv)
     limit = len(encoder.encode_text(encoder.render(long.messages, TOOLS, generation_prompt=True)))
-    policy = HFPolicy(model, tokenizer, max_new_tokens=6, seed=0, max_context=None)
+    policy = HFPolicy(model, tokenizer, max_context=None, sampling=SamplingOptions(max_new_tokens=6, seed=0))
     play(policy, [short, long], turns=1)  # both sampled once; both have turn-cache entries
     assert id(long) in policy.turn_cache.entries
     alone = copy.deepcopy(short)
     short.messages.append({"role": "user", "content": "Go on."})
     long.messages.append({"role": "user", "content": "Go on."})
     alone.messages.append({"role": "user", "content": "Go on."})
-    reference = HFPolicy(model, tokenizer, max_new_tokens=6, max_context=None)
+    reference = HFPolicy(model, tokenizer, max_context=None, sampling=SamplingOptions(max_new_tokens=6))
 
     policy.max_context = limit  # the long conversation now fills the context, the short one does not
     policy.reseed(1)
@@ -584,7 +585,7 @@ def test_max_context_defaults_to_the_model_positions(model, tokenizer) -> None:
 def test_an_episode_past_max_context_ends_on_the_empty_reply(model, tokenizer) -> None:
     from cgym.agents.eval.evaluate import EvalConfig, evaluate
 
-    policy = HFPolicy(model, tokenizer, max_new_tokens=4, seed=0, max_context=1)
+    policy = HFPolicy(model, tokenizer, max_context=1, sampling=SamplingOptions(max_new_tokens=4, seed=0))
     summary, results = evaluate(policy, EvalConfig("cgym/ApiReport-v0", episodes=2, batch_size=2))
     assert [len(r.turns) for r in results] == [1, 1]
     assert all(not r.success and r.turns[0] == Turn(text="", truncated=True) for r in results)

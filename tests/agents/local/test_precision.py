@@ -10,6 +10,7 @@ from cgym.agents.base import Conversation
 from cgym.agents.local.hf import HFPolicy
 from cgym.agents.local.precision import DTYPE_ENV, SamplingWeights, autocast, compute_dtype, cpu_has_bf16
 from cgym.agents.local.sampling import sequence_logprobs
+from cgym.agents.options import SamplingOptions
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 # bf16 keeps 8 bits of mantissa: on the tiny model the sampler's and the autocast training pass's
@@ -34,7 +35,7 @@ def test_fp32_fallback_uses_the_model_itself(tiny_chat_model: Path, monkeypatch:
 def test_bf16_sampling_agrees_with_the_training_pass(tiny_chat_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(DTYPE_ENV, "bfloat16")
     model = AutoModelForCausalLM.from_pretrained(tiny_chat_model)
-    policy = HFPolicy(model, AutoTokenizer.from_pretrained(tiny_chat_model), max_new_tokens=24, seed=0)
+    policy = HFPolicy(model, AutoTokenizer.from_pretrained(tiny_chat_model), sampling=SamplingOptions(max_new_tokens=24, seed=0))
     conv = _conversation()
     policy.act([conv])
     sampler = policy.sampling_weights.get()

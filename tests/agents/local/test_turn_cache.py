@@ -10,8 +10,9 @@ import pytest
 import torch
 from cgym.agents.base import Conversation, Turn
 from cgym.agents.local.hf import HFPolicy
-from cgym.agents.local.sampling import SamplingParams, sample_batch
+from cgym.agents.local.sampling import sample_batch
 from cgym.agents.local.turn_cache import TurnCache
+from cgym.agents.options import SamplingOptions
 from cgym.trainer.tiny import build_tiny
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -42,7 +43,7 @@ def play(policy: HFPolicy, convs: list[Conversation], turns: int) -> list[list[T
 
 def policy_for(tiny_dir: Path, temperature: float, *, cached: bool, attention: str = "sdpa") -> HFPolicy:
     model = AutoModelForCausalLM.from_pretrained(tiny_dir, attn_implementation=attention)
-    policy = HFPolicy(model, AutoTokenizer.from_pretrained(tiny_dir), temperature=temperature, max_new_tokens=10, seed=3)
+    policy = HFPolicy(model, AutoTokenizer.from_pretrained(tiny_dir), sampling=SamplingOptions(temperature=temperature, max_new_tokens=10, seed=3))
     if not cached:
         policy.turn_cache = None
     return policy
@@ -94,7 +95,7 @@ def test_reuse_leaves_an_id_to_compute_and_checks_the_ids(tiny_dir: Path) -> Non
     model = AutoModelForCausalLM.from_pretrained(tiny_dir).eval()
     cache = TurnCache()
     prompt = list(range(5, 40))
-    params = SamplingParams(temperature=0.0, max_new_tokens=3)
+    params = SamplingOptions(temperature=0.0, max_new_tokens=3)
     first = sample_batch(model, [prompt], params=params, stop_ids={0}, pad_id=0, turn_cache=cache, turn_keys=["a"], share_prefix=False)[0]
     longer = prompt + first.ids
     assert len(cache.entries["a"].ids) == len(prompt) + len(first.ids) - 1  # the last id was never fed
@@ -115,7 +116,7 @@ def test_a_drafted_turn_leaves_the_same_cache_as_one_id_at_a_time(tiny_dir: Path
     model = AutoModelForCausalLM.from_pretrained(tiny_dir).eval()
     tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
     prompt = tokenizer.encode("<|im_start|>user\n" + "customer 7 ordered 3 items. " * 4 + "<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
-    params = SamplingParams(temperature=0.0, max_new_tokens=31)  # the last drafts overrun the room: fed, not saved
+    params = SamplingOptions(temperature=0.0, max_new_tokens=31)  # the last drafts overrun the room: fed, not saved
     stop = {tokenizer.convert_tokens_to_ids("<|im_end|>")}
     entries = []
     for draft_tokens in (0, 4):

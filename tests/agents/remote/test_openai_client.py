@@ -10,6 +10,7 @@ import httpx
 import pytest
 import respx
 from cgym.agents.base import Conversation, Policy
+from cgym.agents.options import SamplingOptions
 from cgym.agents.remote.openai_client import OpenAIPolicy, PolicyError, hermes_call, to_native_messages, to_plain_messages
 from cgym.envs.toolcall import parse_turn
 
@@ -241,7 +242,7 @@ def test_500_twice_then_success_backs_off_exponentially(policy: OpenAIPolicy, sl
 
 def test_jitter_is_seeded() -> None:
     def delays(seed: int) -> list[float]:
-        policy = OpenAIPolicy("m", BASE_URL, seed=seed)
+        policy = OpenAIPolicy("m", BASE_URL, sampling=SamplingOptions(seed=seed))
         return [policy._backoff(attempt) for attempt in range(3)]
 
     assert delays(7) == delays(7)
@@ -373,8 +374,8 @@ def test_policy_protocol_and_name() -> None:
     ids=["local", "https-trailing-slash", "at-in-model"],
 )
 def test_from_spec(rest: str, model: str, base_url: str) -> None:
-    policy = OpenAIPolicy.from_spec(rest, temperature=0.0)
-    assert (policy.model, policy.base_url, policy.temperature) == (model, base_url, 0.0)
+    policy = OpenAIPolicy.from_spec(rest, sampling=SamplingOptions(temperature=0.0))
+    assert (policy.model, policy.base_url, policy.sampling.temperature) == (model, base_url, 0.0)
 
 
 @pytest.mark.parametrize(
@@ -389,8 +390,8 @@ def test_from_spec_errors_show_expected_form(rest: str) -> None:
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
-    [({"concurrency": 0}, "concurrency"), ({"max_retries": -1}, "max_retries"), ({"top_p": 0.0}, "top_p")],
-    ids=["concurrency", "max-retries", "top-p"],
+    [({"concurrency": 0}, "concurrency"), ({"max_retries": -1}, "max_retries")],
+    ids=["concurrency", "max-retries"],
 )
 def test_bad_options_raise_value_error(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):

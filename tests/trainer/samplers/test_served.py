@@ -10,6 +10,7 @@ import httpx
 import pytest
 import respx
 from cgym.agents.base import Conversation
+from cgym.agents.options import SamplingOptions
 from cgym.agents.remote.openai_client import PolicyError
 from cgym.envs.errors import ConfigError
 from cgym.trainer.samplers.served import ServedPolicy
@@ -40,7 +41,7 @@ def _pushed(policy: ServedPolicy, model_name: str = "/models/step-0") -> ServedP
 @respx.mock
 def test_transformers_request_continues_the_ledger_and_the_reply_is_recorded(tokenizer) -> None:
     route = respx.post(f"{BASE}/completions").mock(return_value=httpx.Response(200, json=_completion('{"total": 3}')))
-    policy = _pushed(ServedPolicy(tokenizer, BASE, temperature=0.7, max_new_tokens=16))
+    policy = _pushed(ServedPolicy(tokenizer, BASE, sampling=SamplingOptions(temperature=0.7, max_new_tokens=16)))
     conv = _conversation()
     turn = policy.act([conv])[0]
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 from cgym.agents.base import Conversation
 from cgym.agents.ledger import ChatEncoder
+from cgym.agents.options import SamplingOptions
 from cgym.agents.remote.openai_client import PolicyError
 from cgym.envs.errors import ConfigError
 from cgym.trainer.config import TrainConfig
@@ -107,7 +108,7 @@ def test_turns_continue_the_ledger_with_vllms_tokens_and_logprobs(fake_vllm, tin
     tokenizer = AutoTokenizer.from_pretrained(tiny_chat_model)
     eot = ChatEncoder(tokenizer).end_of_turn_id
     word = tokenizer.encode("alpha", add_special_tokens=False)
-    sampler = VLLMSampler(tokenizer, str(tiny_chat_model), temperature=0.7, max_new_tokens=9, seed=5)
+    sampler = VLLMSampler(tokenizer, str(tiny_chat_model), sampling=SamplingOptions(temperature=0.7, max_new_tokens=9, seed=5))
     conv = _conversation()
     with pytest.raises(PolicyError, match="no weights pushed"):
         sampler.act([conv])
@@ -179,7 +180,7 @@ def test_training_samples_from_in_process_vllm_and_pushes_each_step(fake_vllm, t
     out = tmp_path / "run"
     config = TrainConfig(
         env_id="one-word", model=str(tiny_chat_model), out=str(out), steps=2, group_size=2, tasks_per_step=1,
-        max_new_tokens=6, eval_episodes=0, progress=False, served="vllm:", vllm_memory=0.5,
+        sampling=SamplingOptions(max_new_tokens=6), eval_episodes=0, progress=False, served="vllm:", vllm_memory=0.5,
     )  # fmt: skip
     train(config, make_env=lambda split: _OneWord())
     llm = fake_vllm.last
