@@ -65,8 +65,11 @@ SHORT_NAMES = (*MODELS, EMBEDDED_MODEL)
 
 
 def cache_root() -> Path:
-    """`$CGYM_CACHE`, else `~/.cache/critique-gym`."""
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "critique-gym")
+    """`$CGYM_CACHE`, else `~/.cache/critique-gym`; refused if it names something other than a folder."""
+    root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "critique-gym")
+    if root.exists() and not root.is_dir():
+        raise ModelFetchError(f"the model cache {root} ({CACHE_ENV if os.environ.get(CACHE_ENV) else 'the default'}) is a file, not a folder: point {CACHE_ENV} at a folder")
+    return root
 
 
 def is_complete(directory: Path) -> bool:
@@ -159,6 +162,18 @@ def publish_built(name: str, build: Callable[[Path], object]) -> Path:
             build(tmp / "model")
             _publish(tmp / "model", target)
     return target
+
+
+def build_into(out: Path, build: Callable[[Path], object]) -> Path:
+    """`build(directory)` in a scratch folder beside `out`, renamed to `out` once it has finished:
+    an interrupted build leaves nothing behind that looks like a model. `out` must not hold anything yet."""
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ModelFetchError(f"{out} already exists and is not empty: choose another folder or remove it first")
+    with _staging(out) as tmp:
+        build(tmp / "model")
+        _publish(tmp / "model", out)
+    return out
 
 
 # -- the steps ------------------------------------------------------------------------------

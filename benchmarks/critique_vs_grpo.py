@@ -76,7 +76,7 @@ def run_arm(name: str, overrides: dict[str, Any], seed: int, setting: Setting, *
         learning_rate=setting.learning_rate, temperature=setting.temperature, seed=seed, progress=False,
     )  # fmt: skip
     config = TrainConfig.from_dict({**base, **overrides})  # an arm's overrides win over the shared setting
-    result = train(config)
+    result = train(config, overwrite=True)  # a run cut short is run again whole
     if start is not None:
         result["before"] = {"success_rate": start}
         result["after"] = test_success(result["final"], setting)

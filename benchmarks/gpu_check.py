@@ -88,7 +88,7 @@ def _train(model: str, out: Path, *, served: str) -> dict[str, Any]:
         _need_vllm()
     from cgym.trainer.grpo import train
 
-    summary = train(_config(model, out, served=served))
+    summary = train(_config(model, out, served=served), overwrite=True)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "loss" in r]
     keys = ("loss", "grad_norm", "train_tokens", "sampler/logp_diff_max", "served/weights_step", "served/push_s")

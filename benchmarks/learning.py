@@ -67,7 +67,7 @@ def run_arm(name: str, overrides: dict[str, Any], seed: int, setting: Setting) -
         "steps": setting.steps, "time_budget_s": setting.budget_s, "save_every": setting.eval_every, "eval_episodes": 0, "progress": False,
         **setting.train, **overrides,
     })  # fmt: skip
-    result = train(config)
+    result = train(config, overwrite=True)  # a run cut short is run again whole
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = [r for r in rows if "step_time_s" in r]
     elapsed = list(itertools.accumulate(r["step_time_s"] for r in steps))

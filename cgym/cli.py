@@ -159,7 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
         p, TrainConfig, flags={"learning_rate": "lr", "time_budget_s": "time-budget"}, types={"out": Path, **SAMPLING_TYPES},
         required=("model", "out"), skip=("env_id", "envs", "env_weights", "env_kwargs", "progress"),
     )  # fmt: skip
-    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoints/ (latest)")
+    again = p.add_mutually_exclusive_group()
+    again.add_argument("--resume", action="store_true", help="continue the run in OUT from its latest good checkpoint (the same settings; steps and budgets may change)")
+    again.add_argument("--overwrite", action="store_true", help="replace the run in OUT (its checkpoints, metrics and final model)")
     p.set_defaults(func=commands.cmd_train)
 
     p = sub.add_parser("compare", help="compare policies on the same episodes (table, JSON, plot, HTML)")
@@ -189,7 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", help="OpenEnv: the address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=PORT, help="OpenEnv: the port to listen on (default 8000; 0 picks a free one)")
     p.add_argument("--max-sessions", type=COUNT, help="OpenEnv: concurrent sessions, one env each (default 64)")
-    p.add_argument("--session-timeout", type=POSITIVE, help="OpenEnv: close a session idle this many seconds (default: never)")
+    p.add_argument("--session-timeout", type=POSITIVE, help="OpenEnv: close a session idle this many seconds (default 300)")
+    p.add_argument("--sessions-per-client", type=COUNT, help="OpenEnv: sessions one client address may hold at once (default: all of them on loopback, a quarter beyond it)")
+    p.add_argument("--token", help="OpenEnv: a secret every client must send (Authorization: Bearer TOKEN, or ?token=TOKEN); $CGYM_SERVE_TOKEN also sets it")
     p.add_argument("--mcp", action="store_true", help="serve one episode's tools over MCP on stdin/stdout instead")
     p.add_argument("--seed", type=NATURAL, help="MCP: the episode's task seed (default 0)")
     p.set_defaults(func=commands.cmd_serve)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
+import os
 import socket
 from pathlib import Path
 from typing import Any
@@ -163,13 +165,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_tiny(args: argparse.Namespace) -> int:
+    from cgym.agents.pretrained import build_into
     from cgym.trainer.embedded import build_embedded_model, ensure_embedded_model
 
     if args.out is None:
         path = ensure_embedded_model()
         console.print(f"tiny model ready in [bold]{path}[/bold]; use it as --model tiny or --policy hf:tiny")
         return 0
-    path = build_embedded_model(Path(args.out), seed=args.seed)
+    path = build_into(Path(args.out), lambda directory: build_embedded_model(directory, seed=args.seed))  # all or nothing
     console.print(f"tiny model saved to [bold]{path}[/bold]; load it with --policy hf:{path}")
     return 0
 
@@ -207,7 +210,7 @@ def train_config(args: argparse.Namespace) -> Any:
 def cmd_train(args: argparse.Namespace) -> int:
     from cgym.trainer.grpo import train
 
-    result = train(train_config(args), resume=args.resume, console=console)
+    result = train(train_config(args), resume=args.resume, overwrite=args.overwrite, console=console)
     if result["rank"]:  # under torchrun, rank 0 reports
         return 0
     before, after = result["before"], result["after"]
@@ -246,7 +249,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
-_SERVE_FLAGS = {"mcp": ("seed",), "openenv": ("host", "port", "max_sessions", "session_timeout")}  # flags of one mode only
+_SERVE_FLAGS = {"mcp": ("seed",), "openenv": ("host", "port", "max_sessions", "session_timeout", "sessions_per_client", "token")}  # flags of one mode only
+TOKEN_ENV = "CGYM_SERVE_TOKEN"
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -267,19 +271,37 @@ def _serve_mcp(args: argparse.Namespace) -> int:
 
 
 def _serve_openenv(args: argparse.Namespace) -> int:
-    from cgym.envs.integrations.openenv import REMOTE_ENV_ID, build_app, serve
+    from cgym.envs.integrations.openenv import DEFAULT_SESSION_TIMEOUT_S, REMOTE_ENV_ID, build_app, serve
 
-    app = build_app(args.env, env_kwargs=args.env_kwargs, max_sessions=args.max_sessions or 64, session_timeout_s=args.session_timeout)
     host, port = args.host or "127.0.0.1", 8000 if args.port is None else args.port
+    loopback = _is_loopback(host)
+    max_sessions = args.max_sessions or 64
+    token = args.token or os.environ.get(TOKEN_ENV) or None
+    per_client = args.sessions_per_client or (max_sessions if loopback else max(1, max_sessions // 4))
+    app = build_app(args.env, env_kwargs=args.env_kwargs, max_sessions=max_sessions, session_timeout_s=args.session_timeout or DEFAULT_SESSION_TIMEOUT_S, sessions_per_client=per_client, token=token)
     try:
-        sock = socket.create_server((host, port))
-    except OSError as exc:
-        raise UsageError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-    url = f"http://{host}:{sock.getsockname()[1]}"
-    console.print(f"serving {args.env} {json.dumps(args.env_kwargs)} over OpenEnv at {url} (sessions on /ws); Ctrl-C stops", soft_wrap=True)
-    console.print(f"play it with: --env {REMOTE_ENV_ID} --env-kwargs '{json.dumps({'url': url})}'", soft_wrap=True, highlight=False)
+        sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+    except (OSError, OverflowError) as exc:
+        raise UsageError(f"cannot listen on {host}:{port}: {getattr(exc, 'strerror', None) or exc}") from None
+    shown = f"[{host}]" if ":" in host else host
+    url = f"http://{shown}:{sock.getsockname()[1]}"
+    if not loopback and not token:
+        console.print(f"[yellow]warning:[/yellow] listening on {host}, beyond this machine, with no token: anyone who reaches it can open sessions. Pass --token (or set {TOKEN_ENV}).", soft_wrap=True)
+    console.print(f"serving {args.env} {json.dumps(args.env_kwargs)} over OpenEnv at {url} (sessions on /ws, {per_client} per client, idle ones closed after {args.session_timeout or DEFAULT_SESSION_TIMEOUT_S:.0f}s); Ctrl-C stops", soft_wrap=True)
+    kwargs = {"url": url} | ({"token": "..."} if token else {})
+    console.print(f"play it with: --env {REMOTE_ENV_ID} --env-kwargs '{json.dumps(kwargs)}'", soft_wrap=True, highlight=False)
     serve(app, sock)
     return 0
+
+
+def _is_loopback(host: str) -> bool:
+    """Whether `host` is reachable only from this machine (127.0.0.0/8, ::1, localhost)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def cmd_quickstart(args: argparse.Namespace) -> int:

@@ -46,12 +46,15 @@ TOP_P = bounded(float, lambda v: 0 < v <= 1, "in (0, 1]")
 
 def json_object(text: str) -> dict[str, Any]:
     """An argparse type: a JSON object such as `{"difficulty": "hard"}`."""
+    shown = repr(text) if len(text) <= 80 else repr(text[:77]) + "..."
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"not valid JSON ({exc.msg} at char {exc.pos}): {text!r}") from None
+        raise argparse.ArgumentTypeError(f"not valid JSON ({exc.msg} at char {exc.pos}): {shown}") from None
+    except RecursionError:
+        raise argparse.ArgumentTypeError(f"JSON nested too deeply to read: {shown}") from None
     if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"difficulty\": \"hard\"}}', got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"difficulty\": \"hard\"}}', got {shown}")
     return value
 
 

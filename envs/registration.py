@@ -34,7 +34,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import gymnasium as gym
-from cgym.envs.errors import CgymError, InvalidEnvKwargError, UnknownEnvError, did_you_mean
+from cgym.envs.errors import CgymError, InvalidChoiceError, InvalidEnvKwargError, UnknownEnvError, did_you_mean
+from cgym.envs.kwarg_types import annotations_of, choices_of, describe, fits
 from gymnasium.envs.registration import load_env_creator
 
 ENTRY_POINT_GROUP = "cgym.envs"
@@ -143,12 +144,15 @@ def _require(env_id: str) -> str:
 
 def _accepted(env_id: str) -> list[str] | None:
     """The kwargs an env's creator takes (plus Gymnasium's own), or None if it takes any."""
-    entry_point = gym.registry[env_id].entry_point
-    creator = entry_point if callable(entry_point) else load_env_creator(entry_point)
-    params = inspect.signature(creator).parameters
+    params = inspect.signature(_creator(env_id)).parameters
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return None
     return [name for name in params if name != "self"] + ["render_mode", "max_episode_steps", "disable_env_checker"]
+
+
+def _creator(env_id: str) -> Any:
+    entry_point = gym.registry[env_id].entry_point
+    return entry_point if callable(entry_point) else load_env_creator(entry_point)
 
 
 def _check_kwargs(env_id: str, kwargs: dict[str, Any]) -> None:
@@ -160,6 +164,14 @@ def _check_kwargs(env_id: str, kwargs: dict[str, Any]) -> None:
             raise InvalidEnvKwargError(
                 f"{env_id} does not take {name!r}; it takes {sorted(set(accepted))}.{did_you_mean(name, accepted)}"
             )
+    hints = annotations_of(_creator(env_id))
+    for name, value in kwargs.items():
+        if name in hints and not fits(value, hints[name]):
+            shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+            message = f"{env_id}: {name}={shown} does not fit; it takes {describe(hints[name])}."
+            if choices := choices_of(hints[name]):
+                raise InvalidChoiceError(message + did_you_mean(str(value), [str(c) for c in choices]))
+            raise InvalidEnvKwargError(message)
 
 
 def load_plugins() -> None:

@@ -16,6 +16,7 @@ import pickle
 import random
 import shutil
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -57,8 +58,17 @@ def save_checkpoint(directory: Path, *, model: Any, tokenizer: Any, optimizer: t
 def latest_checkpoint(out: Path) -> Path | None:
     """The newest `checkpoints/step-N` under `out` that passes `verify_checkpoint`; None if there are none.
 
-    Newer ones that fail are skipped with a warning that names them and the one used instead;
-    when every one fails, `CheckpointError` (rather than silently starting over).
+    Newer ones that fail are skipped with a warning that names them; when every one fails,
+    `CheckpointError` (rather than silently starting over).
+    """
+    return next(iter(good_checkpoints(out)), None)
+
+
+def good_checkpoints(out: Path) -> Iterator[Path]:
+    """The `checkpoints/step-N` under `out` that pass `verify_checkpoint`, newest first.
+
+    Each one that fails is skipped with a warning that names it and the one tried instead; if the
+    oldest fails too, `CheckpointError` (rather than silently starting over).
     """
     steps = [p for p in (Path(out) / "checkpoints").glob("step-*") if p.is_dir() and p.name[5:].isdigit()]
     damaged: list[str] = []
@@ -70,10 +80,10 @@ def latest_checkpoint(out: Path) -> Path | None:
             continue
         for problem in damaged:
             warnings.warn(f"skipping a damaged checkpoint: {problem}; resuming from {candidate} instead", stacklevel=2)
-        return candidate
+        damaged.clear()
+        yield candidate
     if damaged:
-        raise CheckpointError(f"no checkpoint under {Path(out) / 'checkpoints'} passes its check ({damaged[0]}); move them away to start over")
-    return None
+        raise CheckpointError(f"no checkpoint under {Path(out) / 'checkpoints'} passes its check ({damaged[0]}); --overwrite starts over")
 
 
 def verify_checkpoint(directory: Path) -> None:
@@ -107,12 +117,24 @@ def load_state(directory: Path, *, optimizer: torch.optim.Optimizer, scheduler: 
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(f"{path} cannot be loaded as plain tensors and values (weights_only=True): {reason}") from None
     try:
+        _check_shapes(optimizer, state["optimizer"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         _set_rng_state(state["rng"])
         return int(state["step"])
     except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as exc:
         raise CheckpointError(f"{path} does not hold this run's optimizer, scheduler and RNG state ({type(exc).__name__}: {exc})") from None
+
+
+def _check_shapes(optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
+    """Refuse optimizer moments whose shapes differ from the parameters they would update
+    (`load_state_dict` checks only the number of parameters): a state from another model."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for index, moments in saved["state"].items():
+        for name, value in moments.items():
+            if torch.is_tensor(value) and value.dim() > 0 and (int(index) >= len(params) or value.shape != params[int(index)].shape):
+                shape = tuple(params[int(index)].shape) if int(index) < len(params) else "nothing"
+                raise ValueError(f"parameter {index}'s {name} has shape {tuple(value.shape)}, the model's is {shape}: the state of another model")
 
 
 # -- manifest ------------------------------------------------------------------------------

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
@@ -231,6 +233,29 @@ class TrainConfig:
         nested = values.get("sampling", cls.sampling)
         sampling = dataclasses.replace(SamplingOptions(**nested) if isinstance(nested, dict) else nested, **flat)
         return cls(**{k: v for k, v in values.items() if k in names} | {"sampling": sampling})
+
+
+# How long, how often, where and how fast a run goes: a resume may change these, not what it learns.
+RESUME_MAY_CHANGE = frozenset({
+    "steps", "time_budget_s", "progress", "eval_every", "eval_episodes", "eval_temperature", "save_every", "out",
+    "workers", "device", "served", "served_engine", "push_every", "vllm_memory", "micro_batch_size", "rollout_groups",
+})  # fmt: skip
+
+
+def resume_conflicts(saved: Mapping[str, Any], config: TrainConfig) -> list[str]:
+    """How `config` differs from the run it would resume (`saved`, as `TrainConfig.to_dict` wrote
+    it), outside `RESUME_MAY_CHANGE`: one line per field, empty when it is the same run."""
+    try:
+        before = _as_json(TrainConfig.from_dict(dict(saved)).to_dict())
+    except (ConfigError, TypeError, ValueError) as exc:
+        return [f"its saved config does not load ({exc})"]
+    now = _as_json(config.to_dict())
+    return [f"{name} was {before[name]!r}, now {value!r}" for name, value in now.items() if name not in RESUME_MAY_CHANGE and before.get(name) != value]
+
+
+def _as_json(values: dict[str, Any]) -> dict[str, Any]:
+    """As a JSON file holds it (tuples as lists), so a saved config and a live one compare equal."""
+    return json.loads(json.dumps(values, default=str))
 
 
 def keyed_by_env(env_kwargs: dict[str, Any], env_ids: tuple[str, ...] | list[str]) -> bool:

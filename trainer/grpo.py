@@ -40,7 +40,7 @@ from cgym.agents.options import SamplingOptions
 from cgym.agents.pretrained import resolve_model
 from cgym.envs.errors import ConfigError
 from cgym.envs.registration import make
-from cgym.trainer.checkpoint import latest_checkpoint, load_state, save_checkpoint
+from cgym.trainer.checkpoint import CheckpointError, good_checkpoints, load_state, save_checkpoint
 from cgym.trainer.config import VLLM_IN_PROCESS, TrainConfig
 from cgym.trainer.distributed import World, check_divisible, close_world, global_normalizer, init_world, training_device
 from cgym.trainer.embedded import prepare_models
@@ -49,6 +49,7 @@ from cgym.trainer.losses import policy_loss, rft_weights, unified_advantages
 from cgym.trainer.metrics import HackingMonitor, MetricsLog, Outcome, env_metrics, plot_curve, rollout_metrics
 from cgym.trainer.refine import rebase, sample_subset, select_refinements, should_refine
 from cgym.trainer.rollout import Batch, Trajectory, pack, slice_batch
+from cgym.trainer.run_folder import CONFIG_FILE, check_out, check_same_run, clear_run
 from cgym.trainer.samplers.served import PushedSampler, ServedPolicy
 from rich.console import Console
 
@@ -102,22 +103,9 @@ def setup(config: TrainConfig, *, make_env: EnvFactory | None = None, resume: bo
     if make_env is not None and len(config.env_ids) > 1:
         raise ConfigError(f"make_env builds one env, but the config mixes {list(config.env_ids)}")
     out = Path(config.out)
-    checkpoint = latest_checkpoint(out) if resume else None
-    if resume and checkpoint is None:
-        warnings.warn(f"resume: no checkpoint under {out / 'checkpoints'} yet; starting from step 0", stacklevel=2)
     torch.manual_seed(config.seed)
     prepare_models(config.model, config.critique.removeprefix("model:") if config.critique.startswith("model:") else None)
-    # a LoRA checkpoint holds only the adapter: the base comes from the starting model
-    weights = config.model_path if config.lora_r > 0 else checkpoint or config.model_path
-    policy = HFPolicy.from_pretrained(weights, device=world.device, dtype=torch.float32, sampling=config.sampling)
-    if config.lora_r > 0:
-        policy.model = with_lora(policy.model, config.lora_r, adapter=checkpoint)
-    freeze_except(policy.model, config.trainable)
-    params = [p for p in policy.model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=config.weight_decay)
-    warmup = max(config.warmup_steps, 1)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
-    start = load_state(checkpoint, optimizer=optimizer, scheduler=scheduler) if checkpoint else 0
+    policy, optimizer, scheduler, start = _resume(config, out, world) if resume else _load(config, None, world)
     world.broadcast_parameters(policy.model)
     if world.is_main:
         rewind_metrics(out / "metrics.jsonl", start)
@@ -127,6 +115,42 @@ def setup(config: TrainConfig, *, make_env: EnvFactory | None = None, resume: bo
     log = MetricsLog(out / "metrics.jsonl")
     served = _served(config, policy, start, world)
     return TrainState(config, policy, optimizer, scheduler, factories, reference, _critic(config), log, HackingMonitor(), config.sampling.max_new_tokens * max_turns, start, world, served=served)
+
+
+def _resume(config: TrainConfig, out: Path, world: World) -> tuple[HFPolicy, torch.optim.Optimizer, Any, int]:
+    """The newest checkpoint that verifies, is this run's, and loads; an older one where a newer is refused."""
+    for checkpoint in good_checkpoints(out):
+        check_same_run(checkpoint / CONFIG_FILE, config)
+        try:
+            return _load(config, checkpoint, world)
+        except CheckpointError as exc:
+            warnings.warn(f"skipping a checkpoint that does not load: {exc}", stacklevel=3)
+    if any((out / "checkpoints").glob("step-*")):
+        raise CheckpointError(f"no checkpoint under {out / 'checkpoints'} loads; --overwrite starts over")
+    warnings.warn(f"resume: no checkpoint under {out / 'checkpoints'} yet; starting from step 0", stacklevel=3)
+    return _load(config, None, world)
+
+
+def _load(config: TrainConfig, checkpoint: Path | None, world: World) -> tuple[HFPolicy, torch.optim.Optimizer, Any, int]:
+    """Policy, optimizer and scheduler from the starting model, or as `checkpoint` left them."""
+    # a LoRA checkpoint holds only the adapter: the base comes from the starting model
+    weights = config.model_path if config.lora_r > 0 or checkpoint is None else checkpoint
+    try:
+        policy = HFPolicy.from_pretrained(weights, device=world.device, dtype=torch.float32, sampling=config.sampling)
+        if config.lora_r > 0:
+            policy.model = with_lora(policy.model, config.lora_r, adapter=checkpoint)
+    except Exception as exc:  # whatever a damaged or planted weights file raises: try the previous checkpoint
+        if checkpoint is None:
+            raise
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise CheckpointError(f"{checkpoint}: its weights do not load ({type(exc).__name__}: {reason})") from None
+    freeze_except(policy.model, config.trainable)
+    params = [p for p in policy.model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=config.weight_decay)
+    warmup = max(config.warmup_steps, 1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
+    start = load_state(checkpoint, optimizer=optimizer, scheduler=scheduler) if checkpoint else 0
+    return policy, optimizer, scheduler, start
 
 
 def _served(config: TrainConfig, policy: HFPolicy, step: int, world: World) -> PushedSampler | None:
@@ -518,6 +542,11 @@ def _eval_row(summary: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
+def _has_final_eval(rows: list[dict[str, Any]], step: int) -> bool:
+    """Whether the log ends with an evaluation-only row at `step`."""
+    return bool(rows) and rows[-1].get("step") == step and "eval/success_rate" in rows[-1] and "step_time_s" not in rows[-1]
+
+
 def _main_only(state: TrainState, work: Callable[[], Any]) -> Any:
     """Rank 0 runs `work` while the others wait at a barrier; they get None."""
     result = work() if state.world.is_main else None
@@ -532,13 +561,19 @@ def save(state: TrainState, step: int, directory: Path, *, merge: bool = False) 
     return save_checkpoint(directory, model=model, tokenizer=state.policy.tokenizer, optimizer=state.optimizer, scheduler=state.scheduler, step=step, config=state.config.to_dict())
 
 
-def train(config: TrainConfig, *, make_env: EnvFactory | None = None, resume: bool = False, console: Console | None = None) -> dict[str, Any]:
+def train(config: TrainConfig, *, make_env: EnvFactory | None = None, resume: bool = False, overwrite: bool = False, console: Console | None = None) -> dict[str, Any]:
     """Run GRPO (Critique-GRPO when `config.critique` is set); returns before/after figures.
 
-    Under torchrun (WORLD_SIZE > 1) this process joins the process group and trains its share.
+    A `config.out` that holds a run is continued (`resume`, which refuses a different run) or
+    replaced (`overwrite`); without either it is refused. Under torchrun (WORLD_SIZE > 1) this
+    process joins the process group and trains its share.
     """
+    check_out(config, resume=resume, overwrite=overwrite)
     world = init_world(training_device(config.device))
     try:
+        if overwrite and world.is_main:
+            clear_run(Path(config.out))
+        world.barrier()
         return _train(config, world, make_env=make_env, resume=resume, console=console or Console())
     finally:
         close_world(world)
@@ -578,7 +613,7 @@ def _train(config: TrainConfig, world: World, *, make_env: EnvFactory | None, re
     after = None
     if evaluating:
         after = _main_only(state, lambda: evaluate_model(state))
-        if after:
+        if after and not _has_final_eval(state.log.rows(), last):  # a resumed finished run was evaluated already
             state.log.write({"step": last, **_eval_row(after)})
     final = out / "final"
     if world.is_main:

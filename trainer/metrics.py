@@ -130,9 +130,17 @@ class MetricsLog:
             f.write(json.dumps(row, default=float) + "\n")
 
     def rows(self) -> list[dict[str, Any]]:
+        """Every readable row, in order; a line that does not parse (torn by a crash) is skipped."""
         if not self.path.exists():
             return []
-        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        return [row for line in self.path.read_text(errors="replace").splitlines() if isinstance(row := _parse(line), dict)]
+
+
+def _parse(line: str) -> Any:
+    try:
+        return json.loads(line)
+    except ValueError:
+        return None
 
 
 def rolling_mean(values: Sequence[float], window: int) -> list[float]:

@@ -108,7 +108,7 @@ def run(out: Path, plan: QuickstartPlan = QuickstartPlan(), *, console: Console 
         sampling=SamplingOptions(temperature=plan.temperature, max_new_tokens=plan.max_new_tokens), critique=plan.critique, seed=plan.seed,
         eval_episodes=0,  # every arm is measured once, by the comparison below, on the same episodes
     )  # fmt: skip
-    trained = train(config, console=console)
+    trained = train(config, overwrite=True, console=console)  # a quickstart run again redoes every phase
     phase("train")
 
     console.rule("4/4 compare prompt-only, SFT and SFT + GRPO on the same test episodes (greedy)")

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from cgym.agents.ledger import ChatEncoder
 from cgym.agents.local.allocator import keep_freed_memory
+from cgym.agents.local.hf import load_pretrained, load_tokenizer
 from cgym.agents.local.precision import autocast
 from cgym.agents.local.sampling import sequence_logprobs
 from cgym.agents.pretrained import resolve_model
@@ -30,7 +31,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 from torch import Tensor
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import PreTrainedModel
 
 Demo = tuple[list[dict[str, Any]], list[dict[str, Any]]]
 Example = tuple[list[int], list[int]]  # (ids, loss mask)
@@ -62,7 +63,7 @@ def sft(
     if max_len < 2:
         raise ValueError(f"need max_len >= 2, got {max_len}")
     model_dir_in = resolve_model(model_dir_in)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir_in)
+    tokenizer = load_tokenizer(model_dir_in)
     examples = encode_demos(ChatEncoder(tokenizer), demos, max_len)
     if all_tokens:
         examples = [(ids, [1] * len(ids)) for ids, _ in examples]
@@ -101,8 +102,7 @@ def fit(
         )
     model_dir_in = resolve_model(model_dir_in)
     keep_freed_memory()
-    model = AutoModelForCausalLM.from_pretrained(model_dir_in, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir_in)
+    model, tokenizer = load_pretrained(model_dir_in, dtype=torch.float32)
     pad_id = tokenizer.pad_token_id
     if pad_id is None:
         pad_id = ChatEncoder(tokenizer).end_of_turn_id

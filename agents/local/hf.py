@@ -8,7 +8,8 @@ a trainer later learns from exactly those tokens (see `agents.ledger`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -105,15 +106,7 @@ class HFPolicy:
             dtype = compute_dtype(device)
         if torch.device(device).type == "cpu":
             keep_freed_memory()
-        path = resolve_model(name_or_path)
-        if _looks_local(path) and not Path(path).expanduser().exists():
-            raise ModelLoadError(f"no model at {path}: that directory does not exist ({MODEL_FORMS})")
-        try:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-            tokenizer = AutoTokenizer.from_pretrained(path)
-        except (OSError, ValueError) as exc:  # transformers: not a model directory, not on the hub, offline
-            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise ModelLoadError(f"cannot load the model {str(name_or_path)!r}: {reason}") from None
+        model, tokenizer = load_pretrained(name_or_path, dtype=dtype)
         return cls(model, tokenizer, device=device, name=f"hf:{name_or_path}", **kw)
 
     def reseed(self, seed: int) -> None:
@@ -187,6 +180,51 @@ class HFPolicy:
         return Turn(
             text=text, token_ids=tuple(ids), logprobs=tuple(logprobs), truncated=not sample.stopped
         )
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def load_pretrained(name_or_path: str | Path, *, dtype: torch.dtype) -> tuple[Any, Any]:
+    """Model and tokenizer for any model input (short name, directory, .gguf file, hub name);
+    whatever is wrong with it (missing, not a model, no tokenizer, damaged weights) is one
+    `ModelLoadError` that says what, never a traceback from transformers."""
+    path = resolve_model(name_or_path)
+    _check_local(path, name_or_path)
+    with _load_errors(name_or_path):
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype), AutoTokenizer.from_pretrained(path)
+
+
+def load_tokenizer(name_or_path: str | Path) -> Any:
+    """The tokenizer of a model input, with `load_pretrained`'s errors."""
+    path = resolve_model(name_or_path)
+    _check_local(path, name_or_path)
+    with _load_errors(name_or_path):
+        return AutoTokenizer.from_pretrained(path)
+
+
+@contextlib.contextmanager
+def _load_errors(name_or_path: str | Path) -> Iterator[None]:
+    try:
+        yield
+    except Exception as exc:  # transformers, safetensors, tokenizers and the hub client each raise their own
+        reason = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+        raise ModelLoadError(f"cannot load the model {str(name_or_path)!r}: {reason}") from None
+
+
+def _check_local(path: str, shown: str | Path) -> None:
+    """A local path must be a model directory with a tokenizer; a hub name is left to the hub."""
+    directory = Path(path).expanduser()
+    if not (_looks_local(path) or directory.exists()):
+        return
+    if not directory.exists():
+        raise ModelLoadError(f"no model at {path}: that directory does not exist ({MODEL_FORMS})")
+    if not directory.is_dir():
+        raise ModelLoadError(f"cannot load the model {str(shown)!r}: {path} is a file, not a model directory ({MODEL_FORMS})")
+    if not ((directory / "config.json").is_file() or (directory / "adapter_config.json").is_file()):
+        raise ModelLoadError(f"cannot load the model {str(shown)!r}: {path} holds no config.json, so it is not a saved model ({MODEL_FORMS})")
+    if not any((directory / name).is_file() for name in TOKENIZER_FILES):
+        raise ModelLoadError(f"cannot load the model {str(shown)!r}: {path} holds no tokenizer ({', '.join(TOKENIZER_FILES)}); save it beside the weights")
 
 
 def _looks_local(name: str) -> bool:

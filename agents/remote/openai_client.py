@@ -34,6 +34,7 @@ from typing import Any
 import httpx
 from cgym.agents.base import Conversation, Message, Turn
 from cgym.agents.options import DEFAULT_SAMPLING, PolicySpecError, SamplingOptions
+from cgym.envs import bounded_json
 from cgym.envs.errors import CgymError, did_you_mean
 from cgym.envs.toolcall import parse_turn
 
@@ -342,9 +343,7 @@ def turn_from_response(data: dict[str, Any]) -> Turn:
     message = choice.get("message") if isinstance(choice, dict) else None
     if not isinstance(message, dict):
         raise PolicyError(f"the server's response has no choices[0].message object: {_clip(json.dumps(data))}")
-    content = message.get("content")
-    if content is not None and not isinstance(content, str):
-        raise PolicyError(f"choices[0].message.content must be a string or null, got {type(content).__name__}: {_clip(json.dumps(content))}")
+    content = _content_text(message.get("content"))
     tool_calls = message.get("tool_calls") or []
     if not isinstance(tool_calls, list):
         raise PolicyError(f"choices[0].message.tool_calls must be a list, got {type(tool_calls).__name__}: {_clip(json.dumps(tool_calls))}")
@@ -353,6 +352,18 @@ def turn_from_response(data: dict[str, Any]) -> Turn:
     if calls:
         text = "\n".join([text.strip(), *calls]) if text.strip() else "\n".join(calls)
     return Turn(text=text, truncated=choice.get("finish_reason") == "length")
+
+
+def _content_text(content: Any) -> str | None:
+    """A message's content as text: a string, null, or a list of text parts (``{"type": "text", "text": ...}``,
+    and refusals, whose text is kept); anything else raises `PolicyError`."""
+    if content is None or isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = [part.get(part.get("type")) for part in content if isinstance(part, dict) and part.get("type") in ("text", "refusal")]
+        if len(texts) == len(content) and all(isinstance(t, str) for t in texts):
+            return "".join(texts)
+    raise PolicyError(f"choices[0].message.content must be a string, null or a list of text parts, got {type(content).__name__}: {_clip(json.dumps(content))}")
 
 
 def hermes_call(tool_call: dict[str, Any]) -> str:
@@ -369,7 +380,7 @@ def hermes_call(tool_call: dict[str, Any]) -> str:
         raise PolicyError(f'a tool call must be {{"function": {{"name": str, "arguments": str | object}}}}, got {_clip(json.dumps(tool_call))}')
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
+            arguments = bounded_json.loads(arguments) if arguments.strip() else {}
         except json.JSONDecodeError:
             pass
     payload = json.dumps({"name": name, "arguments": arguments})
@@ -382,9 +393,9 @@ def hermes_call(tool_call: dict[str, Any]) -> str:
 def _json_body(status: int, content: bytes) -> dict[str, Any]:
     text = content.decode("utf-8", errors="replace")
     try:
-        data = json.loads(text)
+        data = bounded_json.loads(text)  # a server's body is read like model text: nesting and numbers bounded
     except ValueError as exc:
-        raise PolicyError(f"the server answered {status} with non-JSON: {_clip(text)}") from exc
+        raise PolicyError(f"the server answered {status} with JSON this client does not read ({exc.args[0][:80]}): {_clip(text)}") from None
     if not isinstance(data, dict):
         raise PolicyError(f"the server answered with JSON that is not an object: {_clip(text)}")
     return data
@@ -394,7 +405,7 @@ def _server_message(response: httpx.Response, content: bytes) -> str:
     """The error text a server put in its body (OpenAI `{"error": {"message"}}` or FastAPI `detail`)."""
     text = content.decode("utf-8", errors="replace")
     try:
-        data = json.loads(text)
+        data = bounded_json.loads(text)
     except ValueError:
         return _clip(text) or response.reason_phrase
     if isinstance(data, dict):

@@ -17,7 +17,8 @@ count against the env's `max_turns` one by one.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
@@ -28,6 +29,9 @@ from cgym.envs.toolcall import ToolCall
 from mcp import types
 from mcp.server.lowlevel import Server
 from mcp.server.stdio import stdio_server
+from mcp.shared.exceptions import MCPError
+from mcp.shared.message import SessionMessage
+from pydantic import ValidationError
 
 ANSWER_TOOL = "final_answer"
 RESULT_URI = "cgym://episode/result"
@@ -126,7 +130,7 @@ def build_server(episode: McpEpisode) -> Server:
 
     async def get_prompt(ctx: Any, params: types.GetPromptRequestParams) -> types.GetPromptResult:
         if params.name != TASK_PROMPT:
-            raise ValueError(f"no prompt {params.name!r}; this server has {TASK_PROMPT!r}")
+            raise MCPError(types.INVALID_PARAMS, f"no prompt {params.name!r}; this server has {TASK_PROMPT!r}")
         message = types.PromptMessage(role="user", content=types.TextContent(type="text", text=episode.prompt))
         return types.GetPromptResult(description=f"{episode.env_id} task {episode.task_id}", messages=[message])
 
@@ -138,7 +142,7 @@ def build_server(episode: McpEpisode) -> Server:
 
     async def read_resource(ctx: Any, params: types.ReadResourceRequestParams) -> types.ReadResourceResult:
         if str(params.uri) != RESULT_URI:
-            raise ValueError(f"no resource {params.uri!r}; this server has {RESULT_URI!r}")
+            raise MCPError(types.INVALID_PARAMS, f"no resource {str(params.uri)!r}; this server has {RESULT_URI!r}")
         return types.ReadResourceResult(contents=[types.TextResourceContents(uri=RESULT_URI, mime_type="application/json", text=episode.result_json())])
 
     instructions = f"{episode.system_prompt}\n\nWhen you are done, call `{ANSWER_TOOL}` with your answer; that ends the episode."
@@ -160,10 +164,42 @@ def serve_stdio(env_id: str, *, env_kwargs: Mapping[str, Any] | None = None, see
     server = build_server(episode)
 
     async def run() -> None:
-        async with stdio_server() as (read, write):
-            await server.run(read, write, server.create_initialization_options())
+        async with stdio_server() as (read, write), _answering_bad_lines(read, write) as messages:
+            await server.run(messages, write, server.create_initialization_options())
 
     try:
         anyio.run(run)
     finally:
         episode.close()
+
+
+@asynccontextmanager
+async def _answering_bad_lines(read: Any, write: Any) -> AsyncIterator[Any]:
+    """The client's messages, with every line that is not one JSON-RPC 2.0 message answered at
+    once with a JSON-RPC error (id null: it could not be read) instead of passed on, where the
+    SDK would log it and leave the client waiting for a reply that never comes."""
+    send, receive = anyio.create_memory_object_stream[Any](0)
+
+    async def pump() -> None:
+        async with send:
+            async for item in read:
+                if isinstance(item, Exception):
+                    await write.send(SessionMessage(types.JSONRPCError(jsonrpc="2.0", id=None, error=_bad_line(item))))
+                else:
+                    await send.send(item)
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(pump)
+        yield receive
+        group.cancel_scope.cancel()
+
+
+def _bad_line(exc: Exception) -> types.ErrorData:
+    """What was wrong with a line, in the client's terms (never Python internals)."""
+    problems = exc.errors(include_url=False, include_input=False) if isinstance(exc, ValidationError) else []
+    if any(p["type"] == "json_invalid" for p in problems):
+        return types.ErrorData(code=types.PARSE_ERROR, message=f"not valid JSON: {problems[0]['msg'].removeprefix('Invalid JSON: ')}")
+    first = problems[0] if problems else None
+    where = ".".join(str(part) for part in first["loc"] if not str(part).startswith("JSONRPC")) if first else ""
+    said = f" ({where + ': ' if where else ''}{first['msg']})" if first else ""
+    return types.ErrorData(code=types.INVALID_REQUEST, message=f"not a JSON-RPC 2.0 request, notification or response object{said}")

@@ -27,9 +27,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import hmac
 import json
 import socket
+import urllib.parse
 import uuid
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from typing import Any, ClassVar
@@ -47,7 +50,7 @@ try:
     from openenv.core.env_server import Action, ConcurrencyConfig, Environment, HTTPEnvServer, Observation, ServerMode, State
     from openenv.core.env_server.types import EnvironmentMetadata
     from pydantic import Field, ValidationError
-    from starlette.websockets import WebSocketDisconnect
+    from starlette.websockets import WebSocketDisconnect, WebSocketDisconnected
     from websockets.exceptions import WebSocketException
 except ImportError as exc:  # one line from the CLI instead of a traceback
     raise MissingExtraError(f"openenv/Remote-v0 and `cgym serve` need openenv-core ({exc.name} is missing): pip install 'critique-gym[interop]'") from exc
@@ -201,10 +204,26 @@ class ServedEnv(Environment[TurnAction, TurnObservation, State]):
         return TurnObservation(text=text, messages=messages, task_id=info["task_id"], turn=info["turn"], critique=_jsonable(info["critique"]), **fields)
 
 
-def build_app(env_id: str, *, env_kwargs: Mapping[str, Any] | None = None, max_sessions: int = 64, session_timeout_s: float | None = None) -> Any:
+DEFAULT_SESSION_TIMEOUT_S = 300.0
+_GONE = (WebSocketDisconnect, WebSocketDisconnected)  # the client left; OpenEnv's handler then writes to a closed socket
+ROUTES = ("/ws", "/health", "/metadata", "/schema")  # what the docs name; OpenEnv's /mcp session routes are left out
+
+
+def build_app(
+    env_id: str,
+    *,
+    env_kwargs: Mapping[str, Any] | None = None,
+    max_sessions: int = 64,
+    session_timeout_s: float | None = DEFAULT_SESSION_TIMEOUT_S,
+    sessions_per_client: int | None = None,
+    token: str | None = None,
+) -> Any:
     """A FastAPI app serving `env_id` over OpenEnv's HTTP/WebSocket protocol (its `HTTPEnvServer` is `app.state.env_server`).
 
-    The env is built once here, so a bad id or kwarg fails before anything listens.
+    The env is built once here, so a bad id or kwarg fails before anything listens. A session idle
+    for `session_timeout_s` is closed (None: never); one client address holds at most
+    `sessions_per_client` sessions at once (None: `max_sessions`); with a `token`, every route
+    but /health wants it (``Authorization: Bearer TOKEN`` or ``?token=TOKEN``).
     """
     from fastapi import FastAPI
 
@@ -214,7 +233,8 @@ def build_app(env_id: str, *, env_kwargs: Mapping[str, Any] | None = None, max_s
     server = HTTPEnvServer(functools.partial(ServedEnv, env_id, kwargs), TurnAction, TurnObservation, concurrency_config=config)
     app = FastAPI(title=f"critique-gym: {env_id}", description=f"{env_id} {json.dumps(kwargs)} as an OpenEnv environment; sessions on /ws")
     server.register_routes(app, mode=ServerMode.PRODUCTION)  # no per-request /reset, /step: a fresh env each call cannot hold an episode
-    app.add_middleware(_ClosedByClient)
+    app.router.routes[:] = [r for r in app.router.routes if getattr(r, "path", None) != "/mcp"]  # one session model: /ws
+    app.add_middleware(_Guard, token=token, sessions_per_client=sessions_per_client or max_sessions)
     app.state.env_server = server
     return app
 
@@ -226,23 +246,64 @@ def serve(app: Any, sock: socket.socket) -> None:
     uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
 
 
-class _ClosedByClient:
-    """ASGI middleware: OpenEnv's /ws handler closes a socket the client has already closed, and
-    Starlette raises; the session is gone by then, so end the connection quietly instead of logging."""
+class _Guard:
+    """ASGI middleware in front of OpenEnv's routes: the token (when one is set), each client
+    address's share of the sessions, and a quiet end to a socket its client has already closed
+    (OpenEnv's /ws handler closes it again, and Starlette raises)."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, *, token: str | None, sessions_per_client: int) -> None:
         self.app = app
+        self.token = token
+        self.sessions_per_client = sessions_per_client
+        self.open: Counter[str] = Counter()
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "websocket":
+        if scope["type"] not in ("http", "websocket"):
             return await self.app(scope, receive, send)
-        with contextlib.suppress(WebSocketDisconnect):
-            await self.app(scope, receive, send)
+        if self.token and scope.get("path") != "/health" and not _carries(scope, self.token):
+            return await _refuse(scope, receive, send, 401, "this server wants a token: Authorization: Bearer TOKEN, or ?token=TOKEN")
+        if scope["type"] == "http":
+            return await self.app(scope, receive, send)
+        client = (scope.get("client") or ("unknown", 0))[0]
+        if self.open[client] >= self.sessions_per_client:
+            return await _refuse(scope, receive, send, 429, f"{client} holds {self.sessions_per_client} sessions already; close one first")
+        self.open[client] += 1
+        try:
+            with contextlib.suppress(*_GONE):
+                await self.app(scope, receive, send)
+        finally:
+            self.open[client] -= 1
+            if self.open[client] <= 0:
+                del self.open[client]
+
+
+def _carries(scope: dict[str, Any], token: str) -> bool:
+    """Whether a request carries `token`, as a bearer header or a query parameter (compared in constant time)."""
+    headers = dict(scope.get("headers") or [])
+    bearer = headers.get(b"authorization", b"").decode("latin-1").removeprefix("Bearer ").strip()
+    query = urllib.parse.parse_qs(scope.get("query_string", b"").decode("latin-1")).get("token", [""])[0]
+    return any(hmac.compare_digest(given.encode(), token.encode()) for given in (bearer, query) if given)
+
+
+async def _refuse(scope: dict[str, Any], receive: Any, send: Any, status: int, reason: str) -> None:
+    """Refuse before the app sees the request: an HTTP status with a JSON body, or a WebSocket closed at its handshake."""
+    if scope["type"] == "websocket":
+        await receive()  # websocket.connect
+        await send({"type": "websocket.close", "code": 1008 if status == 401 else 1013, "reason": reason})
+        return
+    body = json.dumps({"error": {"code": status, "message": reason}}).encode()
+    await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
 
 
 # -- the client -----------------------------------------------------------------------------
 class _TurnClient(EnvClient[TurnAction, TurnObservation, State]):
-    """OpenEnv's WebSocket client, typed for `cgym serve`."""
+    """OpenEnv's WebSocket client, typed for `cgym serve`, carrying the server's token if it has one."""
+
+    def __init__(self, *args: Any, token: str | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if token:
+            self._ws_url += "?" + urllib.parse.urlencode({"token": token})
 
     def _step_payload(self, action: TurnAction) -> dict[str, Any]:
         return action.model_dump()
@@ -263,13 +324,14 @@ class RemoteEnv(gym.Env[str, str]):
         split: "train" or "test", for served envs that have splits (sent with every reset).
         render_mode: None or "ansi" (the transcript so far).
         timeout_s: how long to wait for the server's answer to one reset or step.
+        token: the server's token, if it was started with one (`cgym serve --token`).
 
     Holds one server session (one env instance on the server) from construction to `close()`.
     """
 
     metadata: ClassVar[dict[str, Any]] = {"render_modes": ["ansi"], "render_fps": 1}
 
-    def __init__(self, url: str, *, split: str | None = None, render_mode: str | None = None, timeout_s: float = 60.0) -> None:
+    def __init__(self, url: str, *, split: str | None = None, render_mode: str | None = None, timeout_s: float = 60.0, token: str | None = None) -> None:
         if not isinstance(url, str) or not url.startswith(_SCHEMES):
             raise InvalidEnvKwargError(
                 f"url={url!r} is not the address of a `cgym serve` server; give one starting with {' or '.join(_SCHEMES)}, e.g. 'http://127.0.0.1:8000'"
@@ -285,7 +347,7 @@ class RemoteEnv(gym.Env[str, str]):
         self._tools: list[dict[str, Any]] = []
         self._task: SimpleTask | None = None
         self._done = True
-        self._client: Any = _TurnClient(base_url=self.url, message_timeout_s=timeout_s).sync()
+        self._client: Any = _TurnClient(base_url=self.url, message_timeout_s=timeout_s, token=token).sync()
         self.max_turns: int = self._connect()
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[str, dict[str, Any]]:

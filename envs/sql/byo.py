@@ -129,6 +129,8 @@ def _row(path: Path, number: int, raw: bytes) -> dict[str, Any]:
 
 def _task(path: Path, number: int, row: dict[str, Any], sandboxes: dict[Path, Sandbox], allow_outside: bool) -> SqlTask:
     where = f"{path.name} line {number}"
+    if "\x00" in row["db"]:
+        raise TaskFileError(f"{where}: db {row['db']!r} holds a NUL byte, which no file name can")
     db_path = (path.parent / row["db"]).resolve()  # symlinks resolved: a link out of the folder is outside
     if not allow_outside and not db_path.is_relative_to(path.parent):
         raise TaskFileError(f"{where}: db {row['db']!r} is outside the task file's folder {str(path.parent)!r} (it is "

@@ -13,12 +13,12 @@ from typing import Any, ClassVar
 
 from cgym.envs.core import AgentEnv
 from cgym.envs.episode import Episode
-from cgym.envs.errors import check_choice, did_you_mean
+from cgym.envs.errors import CgymError, check_choice, did_you_mean
 from cgym.envs.rubric import Rubric
 from cgym.envs.sql.checks import default_rubric, judge
 from cgym.envs.sql.lexer import extract_query
 from cgym.envs.sql.match import render_row
-from cgym.envs.sql.sandbox import DEFAULT_TIME_BUDGET_S, Sandbox, TableInfo
+from cgym.envs.sql.sandbox import DEFAULT_TIME_BUDGET_S, Sandbox, SqlError, TableInfo
 from cgym.envs.sql.schemas import SCHEMAS, SchemaName
 from cgym.envs.sql.tasks import SPLITS, Split, SqlTask, task_pool
 from cgym.envs.sql.templates import DIFFICULTIES, Difficulty
@@ -32,6 +32,10 @@ SYSTEM_PROMPT = (
     "describe_table and run_query to explore, then call submit_query with your final query. "
     "Return exactly the columns the question asks for, in that order."
 )
+
+
+class DatabaseError(CgymError, RuntimeError):
+    """A task's database that no longer opens (replaced or removed after the env was made)."""
 
 
 class SqlQueryEnv(AgentEnv):
@@ -91,7 +95,11 @@ class SqlQueryEnv(AgentEnv):
     def begin_episode(self, task: SqlTask) -> None:  # type: ignore[override]
         sandbox = self._sandboxes.get(task.db_path)
         if sandbox is None:
-            sandbox = self._sandboxes[task.db_path] = Sandbox(task.db_path, time_budget_s=self.query_timeout_s).open()
+            try:
+                sandbox = Sandbox(task.db_path, time_budget_s=self.query_timeout_s).open()
+            except SqlError as exc:
+                raise DatabaseError(f"task {task.id!r}: its database {str(task.db_path)!r} does not open ([{exc.code}] {exc.message}); was it replaced or removed after the env was made?") from None
+            self._sandboxes[task.db_path] = sandbox
         self._db = sandbox
 
     def close(self) -> None:

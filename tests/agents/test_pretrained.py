@@ -17,6 +17,7 @@ from cgym.agents.local.hf import HFPolicy
 from cgym.agents.local.sampling import sequence_logprobs
 from cgym.agents.options import SamplingOptions
 from cgym.agents.pretrained import MODELS, ModelFetchError, WheelModel, fetch_model, resolve_model
+from cgym.envs.errors import CgymError
 from cgym.trainer.tiny import train_tokenizer
 from gguf_fixture import small_llama, write_gguf
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -198,3 +199,21 @@ def test_cli_model_fetch(source, cache: Path, tmp_path: Path, monkeypatch: pytes
     assert pretrained.is_complete(cache / "models" / "small-test") and "--model small-test" in capsys.readouterr().out
     assert main(["model", "fetch", "smolm2-135m"]) == 2  # a user error: one line, no traceback
     assert "Did you mean 'smollm2-135m'" in capsys.readouterr().err
+
+
+def test_build_into_publishes_only_a_finished_build(tmp_path: Path) -> None:
+    from cgym.agents.pretrained import build_into
+
+    def interrupted(directory: Path) -> None:
+        directory.mkdir()
+        (directory / "config.json").write_text("{}")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        build_into(tmp_path / "tiny", interrupted)
+    assert not (tmp_path / "tiny").exists()
+    assert list(tmp_path.iterdir()) == []  # no scratch folder left either
+    build_into(tmp_path / "tiny", lambda d: (d.mkdir(), (d / "config.json").write_text("{}")))
+    assert (tmp_path / "tiny" / "config.json").is_file()
+    with pytest.raises(CgymError, match="not empty"):
+        build_into(tmp_path / "tiny", lambda d: None)

@@ -69,7 +69,27 @@ BAD = [
     pytest.param(["audit", *API, "--episodes", "0"], "--episodes", id="audit-episodes-zero"),
     pytest.param(["sft", *API, "--out", "{tmp}/sft", "--episodes", "0"], "--episodes", id="sft-episodes-zero"),
     pytest.param(["compare", *API, "--before", "scripted:oracle"], "--before and --after", id="compare-one-arm"),
+    pytest.param([*EVAL, "--env-kwargs", '{"rubric": "x"}'], "rubric", id="kwarg-of-the-wrong-type"),
+    pytest.param([*EVAL, "--env-kwargs", "[" * 5000 + "]" * 5000], "--env-kwargs", id="kwargs-nested-deeply"),
+    pytest.param([*EVAL, "--env-kwargs", '{"a": ' * 3000 + "1" + "}" * 3000], "--env-kwargs", id="kwargs-object-nested-deeply"),
+    pytest.param(["sft", *API, "--out", "{tmp}/sft", "--episodes", "1", "--model", "{tmp}/no/such/model"], "no model at", id="sft-model-missing"),
+    pytest.param(["sft", *API, "--out", "{tmp}/sft", "--episodes", "1", "--model", "./missing-model"], "no model at", id="sft-model-relative-missing"),
+    pytest.param(["sft", *API, "--out", "{tmp}/sft", "--episodes", "1", "--model", "{tmp}/a-file.gguf"], "gguf", id="sft-model-fake-gguf"),
+    pytest.param(["eval", *API, "--policy", "hf:{tmp}/a-file.gguf"], "gguf", id="hf-fake-gguf"),
+    pytest.param(["eval", *API, "--policy", "hf:{tmp}/no-tokenizer"], "tokenizer", id="hf-model-without-tokenizer"),
+    pytest.param(["eval", *API, "--policy", "hf:{tmp}/truncated"], "cannot load the model", id="hf-truncated-weights"),
+    pytest.param([*TRAIN[:-1], "{tmp}/old-run"], "already holds a run", id="train-out-holds-a-run"),
 ]
+
+
+def _tiny_model_without(directory: Path, missing: str | None, truncate: str | None = None) -> None:
+    """A saved model folder with one file gone or cut short (config.json alone is enough to look like a model)."""
+    directory.mkdir()
+    (directory / "config.json").write_text('{"model_type": "llama", "vocab_size": 8, "hidden_size": 4, "num_hidden_layers": 1, "num_attention_heads": 1, "intermediate_size": 4}')
+    (directory / "model.safetensors").write_bytes(b"\x10" + bytes(7) + b'{"a": 1}')
+    if truncate:
+        (directory / "tokenizer.json").write_text("{}")
+        (directory / truncate).write_bytes((directory / truncate).read_bytes()[:4])
 
 
 def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
@@ -83,6 +103,10 @@ def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, s
 @pytest.mark.parametrize(("argv", "expected"), BAD)
 def test_user_errors_are_one_line_and_exit_2(argv: list[str], expected: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "a-file").write_text("not a directory")
+    (tmp_path / "a-file.gguf").write_bytes(b"GGUF" + bytes(60))
+    (tmp_path / "old-run" / "checkpoints").mkdir(parents=True)
+    _tiny_model_without(tmp_path / "no-tokenizer", "tokenizer.json")
+    _tiny_model_without(tmp_path / "truncated", None, truncate="model.safetensors")
     port = _free_port()
     code, err = run_cli([arg.replace("{tmp}", str(tmp_path)).replace("{port}", str(port)) for arg in argv], capsys)
     assert code == 2, err
@@ -114,3 +138,11 @@ def test_a_diverged_run_exits_2_with_the_step(tmp_path: Path, capsys: pytest.Cap
     code, err = run_cli(["train", *API, "--model", "tiny", "--out", str(tmp_path / "run"), "--eval-episodes", "0"], capsys)
     assert code == 2
     assert err.strip().splitlines() == ["error: step 3: the loss is nan (the weights or the update diverged)"]
+
+
+def test_a_model_cache_that_is_a_file_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "cache").write_text("")
+    monkeypatch.setenv("CGYM_CACHE", str(tmp_path / "cache"))
+    code, err = run_cli(["eval", *API, "--policy", "hf:smollm2-135m", "--episodes", "1"], capsys)
+    assert code == 2 and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1 and "is a file, not a folder" in err

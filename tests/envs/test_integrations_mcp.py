@@ -101,3 +101,46 @@ def test_an_episode_ends_once_and_says_why() -> None:
     assert (out["done"], out["turns"], out["truncated"], out["success"]) == (True, 2, True, False)
     assert [c["code"] for c in out["critiques"]][0] == "unknown_tool" and "no_final_answer" in [c["code"] for c in out["critiques"]]
     assert out["critique_text"]["step"].endswith("Conclusion: incorrect [END]")
+
+
+BAD_LINES = {
+    "not-json": "this is not json",
+    "a-scalar": "42",
+    "a-batch": '[{"jsonrpc": "2.0", "id": 1, "method": "ping"}]',
+    "wrong-version": '{"jsonrpc": "1.0", "id": 1, "method": "ping"}',
+    "no-method": '{"jsonrpc": "2.0", "id": 1}',
+    "nested-deeply": '{"jsonrpc": "2.0", "id": 1, "method": "ping", "params": ' + "[" * 5000 + "]" * 5000 + "}",
+    "huge-and-cut": '{"jsonrpc": "2.0", "id": 1, "method": "ping", "params": {"x": "' + "a" * 2_000_000,
+    "lone-surrogate": '{"jsonrpc": "2.0", "id": 1, "method": "\\ud800"}',
+    "truncated": '{"jsonrpc": "2.0", "id": 1, "meth',
+}
+
+
+def test_every_line_that_is_not_a_message_gets_an_error_reply() -> None:
+    import subprocess
+
+    lines = [*BAD_LINES.values(), '{"jsonrpc": "2.0", "id": 7, "method": "ping"}', '{"jsonrpc": "2.0", "id": 8, "method": "ping", "params": {"x": "' + "a" * 2_000_000 + '"}}']
+    done = subprocess.run(
+        [sys.executable, "-m", "cgym", "serve", ENV, "--mcp"], input="\n".join(lines) + "\n", capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
+    replies = [json.loads(line) for line in done.stdout.splitlines()]
+    errors = [r for r in replies if "error" in r]
+    assert len(errors) == len(BAD_LINES), (done.stdout[-2000:], done.stderr[-2000:])
+    assert all(r["id"] is None and r["error"]["code"] in (-32700, -32600) and "Traceback" not in r["error"]["message"] for r in errors)
+    assert {r.get("id") for r in replies if "result" in r} == {7, 8}  # the server still answers after them
+    assert "Traceback" not in done.stderr
+
+
+def test_a_bad_prompt_or_resource_name_is_an_invalid_params_error() -> None:
+    from mcp.shared.exceptions import MCPError
+
+    async def play(session: ClientSession) -> list[Any]:
+        caught = []
+        for ask in (lambda: session.get_prompt("nope"), lambda: session.read_resource("cgym://nope")):
+            with pytest.raises(MCPError) as info:
+                await ask()
+            caught.append(info.value)
+        return caught
+
+    for error in with_session({"difficulty": "easy"}, play):
+        assert error.error.code == -32602 and "this server has" in error.error.message

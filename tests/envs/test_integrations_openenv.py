@@ -54,7 +54,19 @@ class Served:
 
 @pytest.fixture(scope="module")
 def served() -> Iterator[Served]:
-    app = build_app(ENV, env_kwargs=KWARGS, max_sessions=8)
+    yield from _serve(build_app(ENV, env_kwargs=KWARGS, max_sessions=8))
+
+
+@pytest.fixture(scope="module")
+def guarded() -> Iterator[Served]:
+    """A server with a token whose clients may hold two sessions each."""
+    yield from _serve(build_app(ENV, env_kwargs=KWARGS, max_sessions=8, sessions_per_client=2, token=TOKEN))
+
+
+TOKEN = "s3cret-t0ken"
+
+
+def _serve(app: Any) -> Iterator[Served]:
     sock = socket.create_server(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
@@ -155,6 +167,52 @@ def test_episodes_run_over_websocket_sessions_only(served: Served) -> None:
     assert httpx.get(f"{served.url}/health").json() == {"status": "healthy"}
     assert httpx.get(f"{served.url}/metadata").json()["name"] == ENV
     assert httpx.post(f"{served.url}/step", json={"action": {"text": "hi"}}).status_code == 404  # a fresh env per request holds no episode
+    request = {"jsonrpc": "2.0", "id": 1, "method": "openenv/session/create", "params": {}}
+    assert httpx.post(f"{served.url}/mcp", json=request).status_code in (404, 405)  # sessions that never expired came from here
+    with pytest.raises(Exception):  # noqa: B017 - the handshake is refused, however websockets words it
+        connect(served.url.replace("http://", "ws://") + "/mcp", open_timeout=5).close()
+    assert served.sessions_become(0) == 0
+
+
+def _eventually(attempt: Any, timeout_s: float = 10.0) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return attempt()
+        except RemoteEnvError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def test_a_token_guards_every_route_but_health(guarded: Served) -> None:
+    assert httpx.get(f"{guarded.url}/health").status_code == 200
+    refused = httpx.get(f"{guarded.url}/metadata")
+    assert refused.status_code == 401 and "token" in refused.json()["error"]["message"]
+    assert httpx.get(f"{guarded.url}/metadata", headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 200
+    assert httpx.get(f"{guarded.url}/metadata", params={"token": TOKEN + "x"}).status_code == 401
+    with pytest.raises(RemoteEnvError):
+        envs.make(REMOTE_ENV_ID, url=guarded.url)
+    with closing(envs.make(REMOTE_ENV_ID, url=guarded.url, token=TOKEN)) as env:
+        _, info = env.reset(seed=0)
+        assert info["task_id"]
+    assert guarded.sessions_become(0) == 0
+
+
+def test_one_client_cannot_take_more_than_its_share_and_cycles_leave_nothing(guarded: Served) -> None:
+    first, second = (envs.make(REMOTE_ENV_ID, url=guarded.url, token=TOKEN) for _ in range(2))
+    with pytest.raises(RemoteEnvError):
+        envs.make(REMOTE_ENV_ID, url=guarded.url, token=TOKEN)
+    first.close()
+    assert guarded.sessions_become(1) == 1
+    third = _eventually(lambda: envs.make(REMOTE_ENV_ID, url=guarded.url, token=TOKEN))  # the slot frees as the handler ends
+    second.close(), third.close()
+    ws_url = guarded.url.replace("http://", "ws://") + f"/ws?token={TOKEN}"
+    for _ in range(300):  # open and drop, with and without a message
+        with connect(ws_url, open_timeout=5) as ws:
+            ws.send(json.dumps({"type": "reset", "data": {"seed": 0}}))
+    assert guarded.sessions_become(0) == 0
+    assert httpx.get(f"{guarded.url}/metadata", params={"token": TOKEN}).status_code == 200  # still answering
 
 
 def test_errors_name_the_cause(served: Served) -> None:
@@ -181,6 +239,8 @@ def test_errors_name_the_cause(served: Served) -> None:
         pytest.param(["serve", ENV, "--mcp", "--port", "1"], "--port is not used with --mcp", id="openenv-flag-with-mcp"),
         pytest.param(["serve", ENV, "--port", "{busy}"], "cannot listen on 127.0.0.1:", id="port-in-use"),
         pytest.param(["serve", "cgym/ApiReprt-v0"], "Did you mean 'cgym/ApiReport-v0'", id="unknown-env"),
+        pytest.param(["serve", ENV, "--env-kwargs", '{"rubric": "x"}'], "rubric='x' does not fit", id="kwarg-of-the-wrong-type"),
+        pytest.param(["serve", ENV, "--mcp", "--token", "t"], "--token is not used with --mcp", id="token-with-mcp"),
     ],
 )
 def test_serve_errors_are_one_line(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -189,3 +249,10 @@ def test_serve_errors_are_one_line(argv: list[str], message: str, capsys: pytest
     err = capsys.readouterr().err
     assert code == 2
     assert message in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize(("host", "loopback"), [("127.0.0.1", True), ("127.3.0.1", True), ("::1", True), ("localhost", True), ("0.0.0.0", False), ("::", False), ("10.0.0.2", False), ("example.org", False)])
+def test_which_hosts_count_as_this_machine_only(host: str, loopback: bool) -> None:
+    from cgym.commands import _is_loopback
+
+    assert _is_loopback(host) is loopback

@@ -159,8 +159,9 @@ def write_lines(path: Path, *lines: bytes | str) -> Path:
         ('{"question": "q", "id": ' + "9" * 5_000 + ', "gold_sql": "SELECT 1", "db": "x"}', "line 2: not valid JSON"),
         ('{"question": "q", "gold_sql": "SELECT 1", "db": ""}', "line 2: 'db' must be a non-empty string"),
         ('"just a string"', "line 2: expected a JSON object, got str"),
+        ('{"question": "q", "gold_sql": "SELECT 1", "db": "data/library.sqlite\\u0000x"}', "line 2: db 'data/library.sqlite\\x00x' holds a NUL byte"),
     ],
-    ids=["invalid-utf8", "deep-json", "deep-value", "huge-number", "empty-db", "not-an-object"],
+    ids=["invalid-utf8", "deep-json", "deep-value", "huge-number", "empty-db", "not-an-object", "nul-in-db"],
 )
 def test_malformed_lines_are_task_file_errors_with_the_line(folder: Path, line: bytes | str, message: str) -> None:
     path = write_lines(folder / "t.jsonl", json.dumps(GOOD), line)
@@ -292,3 +293,12 @@ def test_table_valued_functions_in_gold_queries(folder: Path, gold: str, message
     else:
         with pytest.raises(TaskFileError, match=message):
             cgym.envs.sql.load_tasks(path)
+
+
+def test_a_database_replaced_after_the_env_was_made_is_a_cgym_error_at_reset(folder: Path) -> None:
+    path = write_lines(folder / "t.jsonl", json.dumps(GOOD))
+    env = cgym.envs.sql.JsonlSqlEnv(tasks_file=str(path))
+    (folder / "data" / "library.sqlite").write_bytes(b"not a database any more" * 100)
+    with pytest.raises(envs.CgymError, match="does not open .*replaced or removed"):
+        env.reset(seed=0)
+    env.close()

@@ -12,12 +12,13 @@ import numpy as np
 import pytest
 import torch
 from cgym.agents.options import SamplingOptions
-from cgym.envs.errors import CgymError
+from cgym.envs.errors import CgymError, ConfigError
 from cgym.trainer import grpo
 from cgym.trainer.checkpoint import MANIFEST, STATE_FILE, CheckpointError, latest_checkpoint, load_state, save_checkpoint, verify_checkpoint
 from cgym.trainer.config import TrainConfig
 from cgym.trainer.finite import NonFiniteError, check_finite
 from cgym.trainer.grpo import rewind_metrics, train
+from cgym.trainer.metrics import MetricsLog
 
 from tests.trainer.test_grpo import ToyEnv  # one-turn toy env: the reward is the share of "a"
 
@@ -229,3 +230,92 @@ def test_a_non_finite_gradient_skips_the_optimizer_step(tiny_model: Path, tmp_pa
     with pytest.raises(NonFiniteError, match="step 1: the gradient norm is"):
         grpo.train_step(state, 1)
     assert all(torch.equal(a, b) for a, b in zip(before, state.model.parameters()))
+
+
+# -- one folder, one run -------------------------------------------------------------------------
+def _rehash(directory: Path) -> None:
+    """Rewrite the manifest to match the files as they now are (an attacker who can write the folder)."""
+    manifest = json.loads((directory / MANIFEST).read_text())
+    for name in manifest["files"]:
+        data = (directory / name).read_bytes()
+        manifest["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (directory / MANIFEST).write_text(json.dumps(manifest))
+
+
+def test_a_folder_holding_a_run_is_resumed_or_overwritten_never_mixed(tiny_model: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    train(_config(tiny_model, out, steps=2, save_every=1), make_env=_toy)
+    with pytest.raises(ConfigError, match=r"already holds a run .*--resume .*--overwrite"):
+        train(_config(tiny_model, out, steps=2, save_every=1), make_env=_toy)
+    with pytest.raises(ConfigError, match="choose one"):
+        train(_config(tiny_model, out, steps=2), make_env=_toy, resume=True, overwrite=True)
+    (out / "notes.txt").write_text("mine")
+    train(_config(tiny_model, out, steps=1, save_every=1), make_env=_toy, overwrite=True)
+    assert _steps(out) == [1]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-1"]  # the old run's step-2 is gone
+    assert (out / "notes.txt").read_text() == "mine"  # what the run did not write stays
+
+
+@pytest.mark.parametrize(("change", "field"), [({"learning_rate": 1e-2}, "learning_rate"), ({"seed": 5}, "seed"), ({"lora_r": 4}, "lora_r")])
+def test_resume_refuses_a_different_run_and_takes_a_longer_one(tiny_model: Path, tmp_path: Path, change: dict, field: str) -> None:
+    out = tmp_path / "run"
+    train(_config(tiny_model, out, steps=1, save_every=1), make_env=_toy)
+    with pytest.raises(ConfigError, match=rf"different run .*{field} was"):
+        train(_config(tiny_model, out, steps=2, save_every=1, **change), make_env=_toy, resume=True)
+    result = train(_config(tiny_model, out, steps=2, save_every=1, eval_every=1, micro_batch_size=2), make_env=_toy, resume=True)
+    assert result["steps"] == 2
+    assert _steps(out) == [1, 2]
+
+
+def test_resume_falls_back_when_a_verified_checkpoint_is_refused_at_load(tiny_model: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    train(_config(tiny_model, out, steps=3, save_every=1), make_env=_toy)
+    marker = tmp_path / "pwned"
+    torch.save({"step": 3, "optimizer": _Planted(marker)}, out / "checkpoints" / "step-3" / STATE_FILE)
+    _rehash(out / "checkpoints" / "step-3")
+    (out / "checkpoints" / "step-2" / "model.safetensors").write_bytes(b"not a tensor file")
+    _rehash(out / "checkpoints" / "step-2")
+    with pytest.warns(UserWarning, match="does not load"):
+        result = train(_config(tiny_model, out, steps=3, save_every=1), make_env=_toy, resume=True)
+    assert result["steps"] == 3
+    assert _steps(out) == [1, 2, 3]  # steps 2 and 3 run again from step-1
+    assert not marker.exists()
+
+
+def test_a_checkpoint_of_another_shape_is_refused(tmp_path: Path) -> None:
+    directory = _save(tmp_path / "step-1", step=1)  # moments of a Linear(3, 2)
+    other = torch.nn.Linear(2, 3)
+    optimizer = torch.optim.AdamW(other.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    with pytest.raises(CheckpointError, match=r"shape \(2, 3\), the model's is \(3, 2\)"):
+        load_state(directory, optimizer=optimizer, scheduler=scheduler)
+
+
+def test_resume_restores_the_optimizer_moments(tiny_model: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    train(_config(tiny_model, out, steps=2, save_every=2), make_env=_toy)
+    saved = torch.load(out / "checkpoints" / "step-2" / STATE_FILE, weights_only=True)["optimizer"]["state"]
+    state = grpo.setup(_config(tiny_model, out, steps=3), make_env=_toy, resume=True)
+    restored = state.optimizer.state_dict()["state"]
+    assert state.start_step == 2
+    assert any(m["exp_avg"].abs().sum() > 0 for m in saved.values())  # the moments are not all zero
+    for index, moments in saved.items():
+        assert torch.equal(restored[index]["exp_avg"], moments["exp_avg"])
+        assert torch.equal(restored[index]["exp_avg_sq"], moments["exp_avg_sq"])
+
+
+def test_a_finished_run_resumed_logs_its_final_evaluation_once() -> None:
+    train_row = {"step": 3, "loss": 0.1, "step_time_s": 1.0}
+    final = {"step": 3, "eval/success_rate": 0.5, "eval/mean_reward": 0.4}
+    assert grpo._has_final_eval([train_row, final], 3)
+    assert not grpo._has_final_eval([train_row], 3)
+    assert not grpo._has_final_eval([final, {**train_row, "step": 4}], 4)
+
+
+def test_metrics_rows_skip_a_torn_line(tmp_path: Path) -> None:
+    log = MetricsLog(tmp_path / "metrics.jsonl")
+    log.write({"step": 1})
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 2, "lo\n')
+    log.write({"step": 3})
+    assert [r["step"] for r in log.rows()] == [1, 3]

@@ -66,15 +66,15 @@ def policy(clock: FakeClock) -> Iterator[OpenAIPolicy]:
         ({"choices": ["a string choice"]}, "choices[0].message"),
         (_reply("a string message"), "choices[0].message"),
         (_reply(["a", "list"]), "choices[0].message"),
-        (_reply({"role": "assistant", "content": 42}), "content must be a string or null, got int"),
-        (_reply({"role": "assistant", "content": [{"type": "text", "text": "hi"}]}), "content must be a string or null, got list"),
+        (_reply({"role": "assistant", "content": 42}), "content must be a string, null or a list of text parts, got int"),
+        (_reply({"role": "assistant", "content": [{"type": "image_url", "image_url": "x"}]}), "content must be a string, null or a list of text parts, got list"),
         (_reply({"role": "assistant", "content": None, "tool_calls": {"function": {}}}), "tool_calls must be a list"),
         (_reply({"role": "assistant", "content": None, "tool_calls": ["search"]}), "a tool call must be"),
         (_reply({"role": "assistant", "content": None, "tool_calls": [_call("search")]}), "a tool call must be"),
         (_reply({"role": "assistant", "content": None, "tool_calls": [_call({"name": 7, "arguments": "{}"})]}), "a tool call must be"),
         (_reply({"role": "assistant", "content": None, "tool_calls": [_call({"name": "search", "arguments": 3})]}), "a tool call must be"),
     ],
-    ids=["choices-string", "choices-empty", "choice-string", "message-string", "message-list", "content-int", "content-list", "tool-calls-object", "tool-call-string", "function-string", "name-int", "arguments-int"],
+    ids=["choices-string", "choices-empty", "choice-string", "message-string", "message-list", "content-int", "content-image-part", "tool-calls-object", "tool-call-string", "function-string", "name-int", "arguments-int"],
 )
 @respx.mock
 def test_malformed_responses_raise_policy_error(policy: OpenAIPolicy, body: dict, field: str) -> None:
@@ -91,6 +91,39 @@ def test_a_well_formed_reply_still_works(policy: OpenAIPolicy) -> None:
     respx.post(ENDPOINT).mock(return_value=httpx.Response(200, json=_reply({"role": "assistant", "content": None, "tool_calls": [call]})))
     [turn] = policy.act([CONVERSATION])
     assert turn.text == '<tool_call>{"name": "search", "arguments": {"q": "Ada"}}</tool_call>'
+
+
+@respx.mock
+def test_content_given_as_text_parts_is_read_as_its_text(policy: OpenAIPolicy) -> None:
+    parts = [{"type": "text", "text": "Ada Lovelace "}, {"type": "text", "text": "wrote the first program."}]
+    respx.post(ENDPOINT).mock(return_value=httpx.Response(200, json=_reply({"role": "assistant", "content": parts})))
+    [turn] = policy.act([CONVERSATION])
+    assert turn.text == "Ada Lovelace wrote the first program."
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"choices": ' + b"[" * 50_000 + b"]" * 50_000 + b"}",
+        b'{"choices": [{"message": {"role": "assistant", "content": ' + b'{"a": ' * 20_000 + b"1" + b"}" * 20_000 + b"}}]}",
+        b'{"choices": [{"message": {"role": "assistant", "content": 1' + b"0" * 10_000 + b"}}]}",
+    ],
+    ids=["nested-lists", "nested-objects", "huge-number"],
+)
+@respx.mock
+def test_a_reply_nested_too_deep_is_a_policy_error_not_a_recursion_error(policy: OpenAIPolicy, body: bytes) -> None:
+    respx.post(ENDPOINT).mock(return_value=httpx.Response(200, content=body))
+    with pytest.raises(PolicyError, match="does not read"):
+        policy.act([CONVERSATION])
+
+
+@respx.mock
+def test_tool_arguments_nested_too_deep_pass_on_as_the_raw_string(policy: OpenAIPolicy) -> None:
+    deep = "[" * 50_000 + "]" * 50_000
+    call = _call({"name": "search", "arguments": deep})
+    respx.post(ENDPOINT).mock(return_value=httpx.Response(200, json=_reply({"role": "assistant", "content": None, "tool_calls": [call]})))
+    [turn] = policy.act([CONVERSATION])
+    assert turn.text.startswith('<tool_call>{"name": "search", "arguments": "[[[')
 
 
 # ---- reply size ----
