@@ -42,6 +42,13 @@ from jsonschema.protocols import Validator
 
 _JSON_TYPES: dict[type, str] = {str: "string", int: "integer", float: "number", bool: "boolean", dict: "object", list: "array"}
 _TYPE_NAMES = ("array", "boolean", "integer", "null", "number", "object", "string")
+# Type names from other schema dialects (Python, OpenAPI 2, BFCL), and what JSON Schema says instead
+_OTHER_DIALECTS = {
+    "any": "leave 'type' out (any value)", "dict": "use 'object'", "list": "use 'array'", "tuple": "use 'array'",
+    "str": "use 'string'", "int": "use 'integer'", "long": "use 'integer'", "float": "use 'number'", "double": "use 'number'",
+    "bool": "use 'boolean'", "none": "use 'null'", "None": "use 'null'",
+}  # fmt: skip
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names; the hosts refuse others
 _IS_TYPE: dict[str, Callable[[Any], bool]] = {
     "array": lambda v: isinstance(v, list),
     "boolean": lambda v: isinstance(v, bool),
@@ -80,6 +87,9 @@ class Tool:
     _quick: _QuickAccept | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not TOOL_NAME.fullmatch(self.name):
+            fixed = re.sub(r"[^A-Za-z0-9_-]", "_", str(self.name))[:64] or "tool"
+            raise ToolSchemaError(f"tool name {self.name!r}: a tool name is 1-64 letters, digits, '_' or '-' (OpenAI's rule, which the serving hosts enforce); for example {fixed!r}")
         object.__setattr__(self, "_validator", _validator(self.name, self.parameters))
         object.__setattr__(self, "_quick", _QuickAccept.of(self.parameters))
 
@@ -114,8 +124,11 @@ class Tool:
         if not isinstance(name, str) or not name:
             raise ToolSchemaError(f"a tool schema needs a non-empty string 'name', got {name!r}")
         parameters = spec.get("parameters", {"type": "object", "properties": {}})
-        if not isinstance(parameters, Mapping) or parameters.get("type", "object") != "object":
-            raise ToolSchemaError(f"tool {name!r}: 'parameters' must be an object schema ({{\"type\": \"object\", ...}})")
+        if not isinstance(parameters, Mapping):
+            raise ToolSchemaError(f"tool {name!r}: 'parameters' must be an object schema ({{\"type\": \"object\", ...}}), got {type(parameters).__name__}")
+        if (kind := parameters.get("type", "object")) != "object":
+            advice = "" if kind in _TYPE_NAMES else _type_advice(kind)
+            raise ToolSchemaError(f"tool {name!r}: 'parameters' must be an object schema ({{\"type\": \"object\", ...}}), got 'type': {kind!r}.{advice}")
         return cls(name, str(spec.get("description", "")), dict(parameters), fn)
 
     @property
@@ -245,10 +258,16 @@ def _check_keywords(name: str, schema: Any, path: tuple[str | int, ...] = ()) ->
         if key == "type":
             for kind in value if isinstance(value, list) else [value]:
                 if kind not in _TYPE_NAMES:
-                    hint = did_you_mean(str(kind), _TYPE_NAMES) or f" Use one of {list(_TYPE_NAMES)}."
-                    raise ToolSchemaError(f"tool {name!r}: {_dotted(list(where)) or 'type'!r} is {kind!r}, not a JSON type.{hint}")
+                    raise ToolSchemaError(f"tool {name!r}: {_dotted(list(where)) or 'type'!r} is {kind!r}, not a JSON type.{_type_advice(kind)}")
         elif key == "$ref" and not (isinstance(value, str) and value.startswith("#")):
             raise ToolSchemaError(f"tool {name!r}: {_dotted(list(where))!r} is {value!r}; only refs inside the schema ('#/$defs/...') are supported")
+
+
+def _type_advice(kind: Any) -> str:
+    """What to write instead of a type name JSON Schema does not have."""
+    if isinstance(kind, str) and kind in _OTHER_DIALECTS:
+        return f" In JSON Schema, {_OTHER_DIALECTS[kind]}."
+    return did_you_mean(str(kind), _TYPE_NAMES) or f" Use one of {list(_TYPE_NAMES)}."
 
 
 def _walk(schema: Any, path: tuple[str | int, ...]) -> Iterator[tuple[str, Any, tuple[str | int, ...]]]:

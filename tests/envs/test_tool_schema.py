@@ -92,7 +92,12 @@ def test_local_refs_are_followed() -> None:
 @pytest.mark.parametrize(
     ("schema", "names"),
     [
-        ({"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "str"}}}}, ["'str'", "not a JSON type", "Did you mean 'string'"]),
+        ({"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "str"}}}}, ["'str'", "not a JSON type", "use 'string'"]),
+        ({"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "any"}}}}, ["'properties.a.type' is 'any'", "leave 'type' out"]),
+        ({"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "strin"}}}}, ["Did you mean 'string'"]),
+        ({"name": "f", "parameters": {"type": "dict", "properties": {}}}, ["got 'type': 'dict'", "use 'object'"]),
+        ({"name": "math.add", "parameters": {"type": "object"}}, ["tool name 'math.add'", "'math_add'"]),
+        ({"name": "x" * 65}, ["1-64 letters"]),
         ({"name": "f", "parameters": {"type": "object", "properties": {"a": {"$ref": "https://x.org/s.json"}}}}, ["$ref", "https://x.org/s.json"]),
         ({"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "integer", "minimum": "0"}}}},
          ["properties.a.minimum", "'0' is not of type 'number'"]),
@@ -100,7 +105,7 @@ def test_local_refs_are_followed() -> None:
         ({"description": "no name"}, ["non-empty string 'name'"]),
         ({"type": "function", "function": {"name": ""}}, ["non-empty string 'name'"]),
     ],
-    ids=["unknown-type", "remote-ref", "bad-keyword-value", "not-an-object", "no-name", "empty-name"],
+    ids=["python-type", "any-type", "misspelt-type", "dict-at-the-top", "dotted-name", "long-name", "remote-ref", "bad-keyword-value", "not-an-object", "no-name", "empty-name"],
 )
 def test_unusable_schemas_are_refused_by_name(schema: dict[str, Any], names: list[str]) -> None:
     with pytest.raises(ToolSchemaError) as info:
@@ -121,7 +126,7 @@ json_values = st.recursive(
     max_leaves=6,
 )
 FLAT = [
-    Tool.from_function(lambda customer_id, page=1: None),
+    Tool.from_function(lambda customer_id, page=1: None, name="lookup"),
     Tool.from_schema({"name": "f", "parameters": {"type": "object", "properties": {
         "n": {"type": "integer", "enum": [0, 1]}, "x": {"type": "number"}, "mode": {"type": "string", "enum": ["fast", "full"]},
         "on": {"type": "boolean"}, "o": {"type": "object"}, "l": {"type": "array"}, "z": {"type": "null"}}, "required": ["n"]}}, weather),
