@@ -20,7 +20,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Literal, Protocol
 
 import gymnasium as gym
 import numpy as np
@@ -71,8 +71,9 @@ class AgentEnv(gym.Env[str, str]):
 
     Hooks, each with a default, that a subclass overrides:
 
-    - `sample_task(rng, *, seed, options) -> Task`: the episode's task. Default: draw from
-      `tasks()`, or take `options["task_id"]`.
+    - `sample_task(rng, *, seed, options) -> Task`: the episode's task. Default: `options["task_id"]`
+      if given, else task `seed % len(tasks())` (consecutive seeds walk the task set in order, so an
+      N-episode eval over N tasks sees each once; `task_order = "draw"` draws instead), else a draw.
     - `tasks() -> Sequence[Task]`: the task list; default: the `tasks=` given to `__init__`.
     - `begin_episode(task)`: per-episode setup (a mocked service, a DB connection).
     - `tools_for(task) -> list[Tool]`: the episode's tools, asked at every reset; default:
@@ -80,7 +81,10 @@ class AgentEnv(gym.Env[str, str]):
     - `system_prompt_for(task) -> str`: default, the class's `system_prompt`.
     - `before_score(episode)`: run once when the episode ends, before the rubric scores it.
 
-    A tool may call `finish(answer)` to end the episode after this turn (a `submit` tool), and a
+    A single-response env (`single_response = True`: one turn of calls is the whole answer, as
+    in a function-calling benchmark) ends every episode after its first turn, as finished
+    (`terminated=True`), with every call of that turn run. Otherwise a tool may call
+    `finish(answer)` to end the episode after this turn (a `submit` tool), and a
     slow tool keeps within `turn_time_left()`. `turn_parser` reads a turn into calls (default
     `parse_turn`); pass `turn_parser=` or set it on the class as a `staticmethod`.
 
@@ -92,6 +96,8 @@ class AgentEnv(gym.Env[str, str]):
     metadata: ClassVar[dict[str, Any]] = {"render_modes": ["ansi"], "render_fps": 1}
     system_prompt: ClassVar[str] = "You are a helpful assistant that uses tools."
     truncation_code: ClassVar[str] = "no_final_answer"
+    single_response: ClassVar[bool] = False
+    task_order: ClassVar[Literal["walk", "draw"]] = "walk"  # how a seed picks the default `sample_task`'s task
     turn_time_s: ClassVar[float] = TURN_TIME_S
     turn_parser: Callable[[str], ParsedTurn] = staticmethod(parse_turn)
     rubric: Rubric
@@ -133,11 +139,12 @@ class AgentEnv(gym.Env[str, str]):
         return self._task_list
 
     def sample_task(self, rng: np.random.Generator, *, seed: int | None, options: dict[str, Any] | None) -> Task:
-        """The next episode's task: `options["task_id"]` when given, else a draw from `tasks()`."""
+        """The next episode's task: `options["task_id"]` when given, else task `seed % len(tasks())`
+        (consecutive seeds walk the set in order), else a draw from `tasks()`."""
         pool = self.tasks()
         wanted = (options or {}).get("task_id")
         if wanted is None:
-            return pool[int(rng.integers(len(pool)))]
+            return pool[seed % len(pool)] if seed is not None and self.task_order == "walk" else pool[int(rng.integers(len(pool)))]
         found = next((t for t in pool if t.id == wanted), None)
         if found is None:
             ids = [t.id for t in pool]
@@ -189,7 +196,7 @@ class AgentEnv(gym.Env[str, str]):
         self._messages.append({"role": "assistant", "content": text if len(text) <= MAX_ACTION_CHARS else refused_excerpt(text)})
         record, observation = self._take_turn(text, index)
         episode.steps.append(record)
-        terminated = self._final_answer is not None
+        terminated = self._final_answer is not None or self.single_response
         truncated = not terminated and index >= self.max_turns
         info = self._info(record.critique)
         reward = 0.0

@@ -201,6 +201,8 @@ class JsonlSqlEnv(SqlQueryEnv):
         super(SqlQueryEnv, self).__init__(max_turns=max_turns, render_mode=render_mode)
         self.tasks()  # fail at make() time, not at the first reset
 
+    task_order = "walk"  # a task file is a set to cover: consecutive seeds take its rows in order
+
     def tasks(self) -> tuple[SqlTask, ...]:
         if self._pool is None:
             tasks = load_tasks(self.tasks_file, allow_outside=self.allow_outside)

@@ -86,6 +86,8 @@ class SqlQueryEnv(AgentEnv):
         self._pool: tuple[SqlTask, ...] | None = None
 
     # -- episode setup -------------------------------------------------------------------
+    task_order = "draw"  # the built-in pools are drawn from, as when the recorded SqlQuery figures were measured
+
     def tasks(self) -> tuple[SqlTask, ...]:
         """The tasks this env samples from (built on first use); `sample_task` draws from them."""
         if self._pool is None:

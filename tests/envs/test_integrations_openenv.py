@@ -29,6 +29,7 @@ from cgym.envs.errors import InvalidEnvKwargError
 from cgym.envs.integrations.openenv import REMOTE_ENV_ID, RemoteEnvError, build_app
 from cgym.envs.registration import takes_kwarg
 from gymnasium.utils.env_checker import check_env
+from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 
 from cgym import envs
@@ -174,12 +175,12 @@ def test_episodes_run_over_websocket_sessions_only(served: Served) -> None:
     assert served.sessions_become(0) == 0
 
 
-def _eventually(attempt: Any, timeout_s: float = 10.0) -> Any:
+def _eventually(attempt: Any, timeout_s: float = 10.0, refused: type[Exception] = RemoteEnvError) -> Any:
     deadline = time.monotonic() + timeout_s
     while True:
         try:
             return attempt()
-        except RemoteEnvError:
+        except refused:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.05)
@@ -208,8 +209,8 @@ def test_one_client_cannot_take_more_than_its_share_and_cycles_leave_nothing(gua
     third = _eventually(lambda: envs.make(REMOTE_ENV_ID, url=guarded.url, token=TOKEN))  # the slot frees as the handler ends
     second.close(), third.close()
     ws_url = guarded.url.replace("http://", "ws://") + f"/ws?token={TOKEN}"
-    for _ in range(300):  # open and drop, with and without a message
-        with connect(ws_url, open_timeout=5) as ws:
+    for _ in range(300):  # open and drop; a slot frees once the server's handler has ended, so a refusal waits for it
+        with _eventually(lambda: connect(ws_url, open_timeout=5), refused=InvalidStatus) as ws:
             ws.send(json.dumps({"type": "reset", "data": {"seed": 0}}))
     assert guarded.sessions_become(0) == 0
     assert httpx.get(f"{guarded.url}/metadata", params={"token": TOKEN}).status_code == 200  # still answering
