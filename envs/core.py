@@ -24,6 +24,7 @@ from typing import Any, ClassVar, Literal, Protocol
 
 import gymnasium as gym
 import numpy as np
+from cgym.envs.credit import DEFAULT_CREDIT, TurnCredit, turn_rewards
 from cgym.envs.critique import Critique, CritiqueStyle, render
 from cgym.envs.episode import Episode, StepRecord, ToolResult
 from cgym.envs.errors import CgymError, InvalidChoiceError, check_choice, did_you_mean
@@ -88,9 +89,10 @@ class AgentEnv(gym.Env[str, str]):
     slow tool keeps within `turn_time_left()`. `turn_parser` reads a turn into calls (default
     `parse_turn`); pass `turn_parser=` or set it on the class as a `staticmethod`.
 
-    Every `info` holds `messages`, `tools` (this episode's schemas), `task` and the step's
-    `critique`; the last step's adds `success`, `reward_breakdown`, `checks_passed`, every
-    `critiques` and the finished `episode`.
+    Every `info` holds `messages`, `tools` (this episode's schemas), `task`, the step's
+    `critique` and its `turn_reward` (as far as this step knows, `envs.credit`); the last step's
+    adds `success`, `reward_breakdown`, `checks_passed`, every `critiques`, the `turn_rewards` of
+    every turn and the finished `episode`.
     """
 
     metadata: ClassVar[dict[str, Any]] = {"render_modes": ["ansi"], "render_fps": 1}
@@ -98,6 +100,7 @@ class AgentEnv(gym.Env[str, str]):
     truncation_code: ClassVar[str] = "no_final_answer"
     single_response: ClassVar[bool] = False
     task_order: ClassVar[Literal["walk", "draw"]] = "walk"  # how a seed picks the default `sample_task`'s task
+    turn_credit: ClassVar[TurnCredit] = DEFAULT_CREDIT  # how critiques map to `info["turn_reward(s)"]` (`envs.credit`)
     turn_time_s: ClassVar[float] = TURN_TIME_S
     turn_parser: Callable[[str], ParsedTurn] = staticmethod(parse_turn)
     rubric: Rubric
@@ -354,12 +357,15 @@ class AgentEnv(gym.Env[str, str]):
             checks_passed=dict(score.passed),
             critiques=[c.to_dict() for c in critiques],
             episode=self._episode,
+            turn_rewards=turn_rewards(len(self._episode.steps), [c.step for c in critiques], self.turn_credit),
         )
         return score.reward
 
     def _info(self, critique: Critique | None) -> dict[str, Any]:
         task = self._episode.task if self._episode else None
+        steps = self._episode.steps if self._episode else []
         return {
+            "turn_reward": turn_rewards(len(steps), [s.index for s in steps if s.critique], self.turn_credit)[-1] if steps else 0.0,
             "messages": list(self._messages),
             "tools": self._schemas,
             "critique": critique.to_dict() if critique else None,

@@ -20,6 +20,8 @@ ADVANTAGE_SCALES: tuple[str, ...] = get_args(AdvantageScale)
 ZeroStd = Literal["keep", "drop", "resample"]
 ZERO_STD: tuple[str, ...] = get_args(ZeroStd)
 Algo = Literal["grpo", "rft"]
+Credit = Literal["episode", "turn"]
+CREDITS: tuple[str, ...] = get_args(Credit)
 ALGOS: tuple[str, ...] = get_args(Algo)
 Trainable = Literal["all", "attention", "no_embeddings"]
 TRAINABLE: tuple[str, ...] = get_args(Trainable)
@@ -102,6 +104,13 @@ class TrainConfig:
     """Policy-shaping constant of Critique-GRPO: ratio p / (p + gamma) on refinements."""
     shaping: bool = True
     """Use shaped ratios on refinements (off: the plain clipped ratio, for ablations)."""
+    credit: Credit = "episode"
+    """episode: every token of an episode gets its group-relative advantage; turn: plus the turn's
+    own credit from the env's step critiques (`trainer.losses.turn_advantages`)."""
+    turn_weight: float = 1.0
+    """With credit="turn": the weight of the standardised turn return beside the episode advantage."""
+    turn_gamma: float = 0.9
+    """With credit="turn": the discount of later turns' rewards in a turn's return, in [0, 1]."""
     eval_every: int = 0
     """Evaluate on the test split every N steps (0: only before and after)."""
     eval_episodes: int = 50
@@ -148,7 +157,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         sampling = SamplingOptions(**self.sampling) if isinstance(self.sampling, dict) else self.sampling  # as to_dict writes it
         object.__setattr__(self, "sampling", dataclasses.replace(sampling, seed=self.seed))
-        for name, choices in (("algo", ALGOS), ("loss_type", LOSS_TYPES), ("scale", ADVANTAGE_SCALES), ("zero_std", ZERO_STD), ("trainable", TRAINABLE), ("served_engine", SERVED_ENGINES)):
+        for name, choices in (("algo", ALGOS), ("loss_type", LOSS_TYPES), ("scale", ADVANTAGE_SCALES), ("zero_std", ZERO_STD), ("trainable", TRAINABLE), ("served_engine", SERVED_ENGINES), ("credit", CREDITS)):
             _choice(name, getattr(self, name), choices)
         if not (self.critique in CRITIQUE_STYLES or self.critique.startswith("model:")):
             raise ConfigError(f"critique={self.critique!r}: choose one of {list(CRITIQUE_STYLES)} or 'model:<policy-spec>'.{did_you_mean(self.critique, CRITIQUE_STYLES)}")
@@ -180,6 +189,9 @@ class TrainConfig:
             (self.max_grad_norm > 0, f"max_grad_norm must be > 0, got {self.max_grad_norm}"),
             (self.gamma > 0, f"gamma must be > 0, got {self.gamma}"),
             (0 < self.refine_fail_fraction <= 1, f"refine_fail_fraction must be in (0, 1], got {self.refine_fail_fraction}"),
+            (0 <= self.turn_gamma <= 1, f"turn_gamma must be in [0, 1], got {self.turn_gamma}"),
+            (self.turn_weight >= 0, f"turn_weight must be >= 0, got {self.turn_weight}"),
+            (self.algo == "grpo" or self.credit == "episode", "credit='turn' adds to GRPO's advantages; algo='rft' has none"),
             (not self.served or self.served == VLLM_IN_PROCESS or self.served.startswith(("http://", "https://")), f"served must be an http(s) base URL such as http://127.0.0.1:8000/v1, or {VLLM_IN_PROCESS!r} for in-process vLLM, got {self.served!r}"),
             (0 < self.vllm_memory <= 1, f"vllm_memory must be in (0, 1], got {self.vllm_memory}"),
             (DEVICE.fullmatch(self.device) is not None, f"device must be cpu, cuda or cuda:N, got {self.device!r}"),

@@ -38,6 +38,7 @@ from cgym.agents.local.precision import autocast
 from cgym.agents.local.sampling import MIN_SHARED_PREFIX, SharedHead, sequence_logprobs, shared_head, shared_prefix_len
 from cgym.agents.options import SamplingOptions
 from cgym.agents.pretrained import resolve_model
+from cgym.envs.credit import critiqued_turns, turn_rewards
 from cgym.envs.errors import ConfigError
 from cgym.envs.registration import make
 from cgym.trainer.checkpoint import CheckpointError, good_checkpoints, load_state, save_checkpoint
@@ -45,10 +46,10 @@ from cgym.trainer.config import VLLM_IN_PROCESS, TrainConfig
 from cgym.trainer.distributed import World, check_divisible, close_world, global_normalizer, init_world, training_device
 from cgym.trainer.embedded import prepare_models
 from cgym.trainer.finite import check_finite
-from cgym.trainer.losses import policy_loss, rft_weights, unified_advantages
+from cgym.trainer.losses import policy_loss, rft_weights, turn_advantages, unified_advantages
 from cgym.trainer.metrics import HackingMonitor, MetricsLog, Outcome, env_metrics, plot_curve, rollout_metrics
 from cgym.trainer.refine import rebase, sample_subset, select_refinements, should_refine
-from cgym.trainer.rollout import Batch, Trajectory, pack, slice_batch
+from cgym.trainer.rollout import Batch, Trajectory, pack, slice_batch, spread_over_tokens
 from cgym.trainer.run_folder import CONFIG_FILE, check_out, check_same_run, clear_run
 from cgym.trainer.samplers.served import PushedSampler, ServedPolicy
 from rich.console import Console
@@ -264,7 +265,8 @@ def train_step(state: TrainState, step: int) -> dict[str, Any]:
     advantages = advantages[torch.tensor(keep, dtype=torch.bool)]
 
     # 4. update: num_iterations passes over micro-batches, one optimizer step per pass
-    update = _update(state, batch_trajs, advantages, step) if world.sum([len(batch_trajs)])[0] else {"loss": 0.0}
+    per_token = _turn_credit(batch_trajs, advantages, cfg) if cfg.credit == "turn" else None
+    update = _update(state, batch_trajs, advantages, step, per_token) if world.sum([len(batch_trajs)])[0] else {"loss": 0.0}
     update |= _push(state, step) if state.served else {}
     elapsed = time.perf_counter() - started
     initial, extra = world.sum([sum(t.sampled_tokens for t in trajectories), sum(t.sampled_tokens for t in refined)])
@@ -422,13 +424,25 @@ def _keep_rows(trajs: list[Trajectory], rewards: torch.Tensor, groups: torch.Ten
     return keep
 
 
-def _update(state: TrainState, trajs: list[Trajectory], advantages: torch.Tensor, step: int) -> dict[str, Any]:
+def _turn_credit(trajs: list[Trajectory], advantages: torch.Tensor, cfg: TrainConfig) -> list[list[float] | None]:
+    """Each sampled token's advantage under turn credit; None for a row that keeps its episode
+    advantage (a refinement, or a ledger its turns do not line up with)."""
+    own = [not t.refined and t.result is not None for t in trajs]
+    rewards = [turn_rewards(len(t.result.turns), critiqued_turns(t.result.critiques)) if ok and t.result else [] for t, ok in zip(trajs, own)]
+    per_turn = turn_advantages(advantages.tolist(), rewards, [t.group for t in trajs], gamma=cfg.turn_gamma, weight=cfg.turn_weight)
+    return [
+        spread_over_tokens(t.mask, [len(turn.token_ids) for turn in t.result.turns], values) if ok and t.result else None
+        for t, ok, values in zip(trajs, own, per_turn)
+    ]
+
+
+def _update(state: TrainState, trajs: list[Trajectory], advantages: torch.Tensor, step: int, per_token: list[list[float] | None] | None = None) -> dict[str, Any]:
     """num_iterations optimizer steps on this rank's rows; with torchrun, every rank calls it
     (one left with no rows too) and the gradients are summed across ranks before each step."""
     cfg, world = state.config, state.world
     state.model.train()
     pad = state.policy.tokenizer.pad_token_id or 0
-    batch = pack(trajs, advantages, pad_id=pad).to(world.device) if trajs else None
+    batch = pack(trajs, advantages, pad_id=pad, token_advantages=per_token).to(world.device) if trajs else None
     normalizer = global_normalizer(batch.mask if batch else None, cfg.loss_type, state.max_completion_length, world)
     params = [p for p in state.model.parameters() if p.requires_grad]
     totals: dict[str, float] = {"loss": 0.0, "clip_frac_low": 0.0, "clip_frac_high": 0.0, "kl": 0.0, "sampler/logp_diff_max": 0.0}

@@ -6,8 +6,9 @@ References: GRPO (DeepSeekMath, arXiv 2402.03300), DAPO (arXiv 2503.14476), Dr. 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 from cgym.envs.errors import ConfigError, did_you_mean
 from cgym.trainer.config import ADVANTAGE_SCALES, LOSS_TYPES, AdvantageScale, LossType
@@ -166,7 +167,7 @@ def policy_loss(
     gamma: float = 0.1,
     normalizer: float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """(B, T) log-probs, (B,) advantages, (B, T) mask -> scalar clipped-surrogate loss, metrics.
+    """(B, T) log-probs, (B,) or (B, T) advantages, (B, T) mask -> scalar clipped-surrogate loss, metrics.
 
     Rows with `shaped[b]` (refinements) use -shaped_ratio(logp) * A, unclipped, old_logp ignored
     (Critique-GRPO, arXiv 2506.03106 eq. 5); others -min(r A, clip(r) A), r = exp(logp - old_logp)
@@ -181,13 +182,13 @@ def policy_loss(
         raise ValueError("beta > 0 needs ref_logp")
     if loss_type == "dr_grpo" and max_completion_length is None:
         raise ValueError("loss_type='dr_grpo' needs max_completion_length")
-    assert logp.shape == old_logp.shape == mask.shape and advantages.shape == logp.shape[:1]
+    assert logp.shape == old_logp.shape == mask.shape and advantages.shape in (logp.shape[:1], logp.shape)
     mask = mask.to(logp.dtype)
     if normalizer is None:
         normalizer = token_normalizer(mask, loss_type, max_completion_length)
-    adv = advantages.to(logp.dtype).unsqueeze(1)  # (B, 1)
+    adv = advantages.to(logp.dtype) if advantages.dim() == 2 else advantages.to(logp.dtype).unsqueeze(1)  # (B, T) or (B, 1)
     if shaped is None:
-        shaped = torch.zeros_like(advantages, dtype=torch.bool)
+        shaped = torch.zeros(logp.shape[0], dtype=torch.bool, device=logp.device)
     shaped_tok = shaped.bool().unsqueeze(1).expand_as(logp)  # (B, T)
 
     # A shaped row's old log-probs came from another prompt: neutralise them (r = 1) so they
@@ -213,3 +214,39 @@ def policy_loss(
         "ratio_mean": _masked_mean(ratio, unshaped),
     }
     return loss, metrics
+
+
+def discounted_returns(rewards: Sequence[float], gamma: float) -> list[float]:
+    """G_t = r_t + gamma * G_{t+1}: each turn's return to the end of its episode."""
+    returns: list[float] = []
+    running = 0.0
+    for reward in reversed(rewards):
+        running = reward + gamma * running
+        returns.append(running)
+    return returns[::-1]
+
+
+def turn_advantages(
+    episode_advantages: Sequence[float], turn_rewards: Sequence[Sequence[float]], groups: Sequence[int], *, gamma: float, weight: float, eps: float = 1e-6
+) -> list[list[float]]:
+    """Per-turn advantages: each episode's group-relative advantage plus `weight` times its turn's
+    discounted return-to-go, standardised over every turn of the group pooled together.
+
+    The turn term is REINFORCE on per-turn rewards with return batch normalisation (GEM, arXiv
+    2510.01051), pooled within the group rather than per turn index: a per-index baseline compares
+    turn t of an episode only with the episodes that lasted t turns, so when the policy decides
+    when to stop, which episodes share a baseline depends on its actions (the bias verl's per-turn
+    RFC points out). The pooled mean and std depend on no single turn's position. A group whose turn
+    returns are all equal adds nothing; an episode without turn rewards keeps its own advantage
+    (the caller spreads it over its tokens).
+    """
+    returns = [discounted_returns(r, gamma) for r in turn_rewards]
+    pooled: dict[int, list[float]] = {}
+    for group, values in zip(groups, returns):
+        pooled.setdefault(group, []).extend(values)
+    stats = {g: (float(np.mean(v)), float(np.std(v))) for g, v in pooled.items() if v}
+    out: list[list[float]] = []
+    for advantage, group, values in zip(episode_advantages, groups, returns):
+        mean, std = stats.get(group, (0.0, 0.0))
+        out.append([advantage + (weight * (g - mean) / (std + eps) if std > eps else 0.0) for g in values])
+    return out

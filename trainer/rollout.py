@@ -61,8 +61,23 @@ class Batch:
         return Batch(*(getattr(self, f.name).to(device) for f in fields(self)))
 
 
-def pack(trajectories: Sequence[Trajectory], advantages: Tensor, *, pad_id: int) -> Batch:
-    """Pad trajectories into one batch (CPU tensors)."""
+def spread_over_tokens(mask: Sequence[int], turn_lengths: Sequence[int], per_turn: Sequence[float]) -> list[float] | None:
+    """Each sampled token's turn value, in ledger order: the first `turn_lengths[0]` sampled
+    tokens (mask 1) are turn 0's, and so on; unsampled positions get 0. None when the ledger and
+    the turns disagree (the caller then keeps the episode's advantage)."""
+    if len(turn_lengths) != len(per_turn) or sum(turn_lengths) != sum(mask):
+        return None
+    owners = [turn for turn, length in enumerate(turn_lengths) for _ in range(length)]
+    values = [0.0] * len(mask)
+    sampled = (i for i, m in enumerate(mask) if m)
+    for position, owner in zip(sampled, owners):
+        values[position] = float(per_turn[owner])
+    return values
+
+
+def pack(trajectories: Sequence[Trajectory], advantages: Tensor, *, pad_id: int, token_advantages: Sequence[Sequence[float] | None] | None = None) -> Batch:
+    """Pad trajectories into one batch (CPU tensors). With `token_advantages` (a value per
+    position, or None to spread the row's own advantage), `Batch.advantages` is per token."""
     width = max(len(t.ids) for t in trajectories)
     B = len(trajectories)
     ids = torch.full((B, width), pad_id, dtype=torch.long)
@@ -76,6 +91,12 @@ def pack(trajectories: Sequence[Trajectory], advantages: Tensor, *, pad_id: int)
         mask[row, :n] = torch.tensor(t.mask, dtype=torch.float32)
         logp[row, :n] = torch.tensor(t.logprobs, dtype=torch.float32)
     shaped = torch.tensor([t.refined for t in trajectories], dtype=torch.bool)
+    if token_advantages is not None:
+        per_token = advantages.to(torch.float32).unsqueeze(1).repeat(1, width)
+        for row, values in enumerate(token_advantages):
+            if values is not None:
+                per_token[row, : len(values)] = torch.tensor(values, dtype=torch.float32)
+        advantages = per_token[:, 1:]  # aligned with the shifted targets, like mask and old_logp
     return Batch(ids, attention, mask[:, 1:], logp[:, 1:], advantages, shaped)
 
 
@@ -87,6 +108,6 @@ def slice_batch(batch: Batch, rows: slice) -> Batch:
         batch.attention[rows, :width],
         batch.mask[rows, : width - 1],
         batch.old_logp[rows, : width - 1],
-        batch.advantages[rows],
+        batch.advantages[rows, : width - 1] if batch.advantages.dim() == 2 else batch.advantages[rows],
         batch.shaped[rows],
     )

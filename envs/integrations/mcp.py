@@ -107,6 +107,7 @@ class McpEpisode:
             "reward_breakdown": info["reward_breakdown"],
             "checks_passed": info["checks_passed"],
             "critiques": info["critiques"],
+            "turn_rewards": info.get("turn_rewards", []),
             "critique_text": {style: render(style, info["episode"], critiques, info["success"]) for style in CRITIQUE_STYLES},
         }
 

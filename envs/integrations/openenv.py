@@ -83,6 +83,8 @@ class TurnObservation(Observation):
     task_id: str | None = Field(default=None, description="The episode's task id")
     turn: int = Field(default=0, description="Assistant turns taken so far")
     critique: dict[str, Any] | None = Field(default=None, description="This turn's first critique, if any")
+    turn_reward: float = Field(default=0.0, description="This turn's reward from the step critiques so far (envs.credit)")
+    turn_rewards: list[float] = Field(default_factory=list, description="Every turn's reward from the step critiques (last observation only)")
     truncated: bool = Field(default=False, description="The episode ended at the turn limit (done is True too)")
     success: bool | None = Field(default=None, description="Whether the episode succeeded (last observation only)")
     reward_breakdown: dict[str, float] = Field(default_factory=dict, description="Reward per rubric check (last observation only)")
@@ -182,6 +184,7 @@ class ServedEnv(Environment[TurnAction, TurnObservation, State]):
             observation.reward_breakdown = info["reward_breakdown"]
             observation.checks_passed = info["checks_passed"]
             observation.critiques = _jsonable(info["critiques"])
+            observation.turn_rewards = list(info.get("turn_rewards", []))
             observation.episode = episode_to_dict(info["episode"])
         return observation
 
@@ -201,7 +204,7 @@ class ServedEnv(Environment[TurnAction, TurnObservation, State]):
     def _observe(self, text: str, info: dict[str, Any], **fields: Any) -> TurnObservation:
         messages = info["messages"][self._sent :]
         self._sent = len(info["messages"])
-        return TurnObservation(text=text, messages=messages, task_id=info["task_id"], turn=info["turn"], critique=_jsonable(info["critique"]), **fields)
+        return TurnObservation(text=text, messages=messages, task_id=info["task_id"], turn=info["turn"], critique=_jsonable(info["critique"]), turn_reward=info.get("turn_reward", 0.0), **fields)
 
 
 DEFAULT_SESSION_TIMEOUT_S = 300.0
@@ -374,6 +377,7 @@ class RemoteEnv(gym.Env[str, str]):
                 reward_breakdown=observation.reward_breakdown,
                 checks_passed=observation.checks_passed,
                 critiques=observation.critiques,
+                turn_rewards=observation.turn_rewards,
                 episode=episode_from_dict(observation.episode) if observation.episode is not None else None,
             )
         return observation.text, float(observation.reward or 0.0), observation.done and not observation.truncated, observation.truncated, info
@@ -396,6 +400,7 @@ class RemoteEnv(gym.Env[str, str]):
             "messages": list(self._messages),
             "tools": self._tools,
             "critique": observation.critique,
+            "turn_reward": observation.turn_reward,
             "turn": observation.turn,
             "task_id": observation.task_id,
             "task": self._task,

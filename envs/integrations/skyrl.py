@@ -22,6 +22,8 @@ What SkyRL's interface cannot express, and how this adapter carries it:
   the last step's metadata holds every critique, `success` and the reward breakdown, and
   `get_metrics()` counts them for SkyRL's per-env metrics.
 - Terminated vs truncated: SkyRL has one `done`; `metadata["truncated"]` tells them apart.
+- Turn rewards (`envs.credit`): each step's `metadata["turn_reward"]`, and every turn's in the last
+  step's `metadata["turn_rewards"]`; the step's `reward` stays the episode's (0 until the end).
 """
 
 from __future__ import annotations
@@ -125,7 +127,7 @@ def rows(env_id: str, n: int, split: str = "train", *, seed: int = 0, **env_kwar
 
 
 def _metadata(info: Mapping[str, Any], truncated: bool) -> dict[str, Any]:
-    keys = ("critique", "turn", "task_id", "success", "reward_breakdown", "checks_passed", "critiques")
+    keys = ("critique", "turn_reward", "turn", "task_id", "success", "reward_breakdown", "checks_passed", "critiques", "turn_rewards")
     return {k: info[k] for k in keys if k in info} | {"truncated": truncated}
 
 

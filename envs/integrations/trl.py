@@ -24,6 +24,9 @@ What TRL cannot express, and how this adapter carries it:
   (`cgym/success`, `cgym/critiques_per_episode`).
 - Turns. TRL calls tools one by one, so each call is one env step (the env's `max_turns` counts
   calls); prose written beside a tool call is not seen by the env.
+- Turn rewards (`envs.credit`). TRL's GRPO takes one reward per completion and has no per-turn or
+  per-token advantage to put them in, so they stay on the instance (`.turn_rewards`) for logging;
+  training on them needs `cgym train --credit turn`.
 - Per-task tools. TRL reads the tool methods once, from the class; they are the tools of the
   env's first episode (seed 0). A call to a tool the current episode lacks is the env's
   `unknown_tool` critique.
@@ -67,6 +70,7 @@ class CgymTrlEnv:
         self._env = make(self.env_id, **self.env_kwargs)
         self._reward: float | None = None
         self._critiques: list[dict[str, Any]] = []
+        self._turn_rewards: list[float] = []
         self._success = False
 
     def reset(self, *, seed: int | None = None, task_id: str | None = None, **row: Any) -> str:
@@ -79,6 +83,7 @@ class CgymTrlEnv:
         observation, _ = self._env.reset(seed=seed, options=options)
         self._reward = None
         self._critiques = []
+        self._turn_rewards = []
         self._success = False
         return observation
 
@@ -107,6 +112,11 @@ class CgymTrlEnv:
     def critiques(self) -> list[dict[str, Any]]:
         """The episode's critiques (step, code, message, ...): every step's so far, all of them once it ended."""
         return list(self._critiques)
+
+    @property
+    def turn_rewards(self) -> list[float]:
+        """Every step's reward from its critiques (`envs.credit`), once the episode has ended; [] before."""
+        return list(self._turn_rewards)
 
     @property
     def episode(self) -> Episode | None:
@@ -144,6 +154,7 @@ class CgymTrlEnv:
         self._reward = float(reward)
         self._success = bool(info["success"])
         self._critiques = list(info["critiques"])
+        self._turn_rewards = list(info.get("turn_rewards", []))
 
 
 def environment_factory(env_id: str, **env_kwargs: Any) -> type[CgymTrlEnv]:

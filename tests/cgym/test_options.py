@@ -98,7 +98,7 @@ def test_a_repeated_env_mixes_envs_by_weight() -> None:
                                "--loss-type", "--scale", "--epsilon-low", "--epsilon-high", "--beta", "--num-iterations", "--micro-batch-size",
                                "--zero-std", "--mask-truncated", "--critique", "--refine-k", "--refine-attempts", "--refine-fail-fraction",
                                "--gamma", "--no-shaping", "--eval-every", "--eval-episodes", "--save-every", "--time-budget", "--lora-r",
-                               "--trainable", "--seed", "--resume", "--env-weights", "--rollout-groups", "--temperature", "--top-p", "--max-new-tokens"], id="train"),
+                               "--trainable", "--seed", "--resume", "--overwrite", "--credit", "--turn-weight", "--turn-gamma", "--env-weights", "--rollout-groups", "--temperature", "--top-p", "--max-new-tokens"], id="train"),
         pytest.param("eval", ["--env", "--env-kwargs", "--policy", "--episodes", "--split", "--seed", "--samples", "--batch-size",
                               "--self-critique", "--json", "--temperature", "--top-p", "--max-new-tokens"], id="eval"),
         pytest.param("compare", ["--env", "--env-kwargs", "--before", "--after", "--policy", "--episodes", "--seed", "--batch-size",

@@ -257,3 +257,15 @@ def test_which_hosts_count_as_this_machine_only(host: str, loopback: bool) -> No
     from cgym.commands import _is_loopback
 
     assert _is_loopback(host) is loopback
+
+
+def test_turn_rewards_cross_the_wire(served: Served) -> None:
+    turns = ['<tool_call>{"name": "no_such_tool", "arguments": {}}</tool_call>', '{"answer": "a guess"}']
+    infos = []
+    for env in (envs.make(ENV, split="test", **KWARGS), remote(served)):
+        with closing(env):
+            env.reset(seed=1)
+            infos.append([env.step(turn)[-1] for turn in turns])
+    here, there = infos
+    assert [i["turn_reward"] for i in there] == [i["turn_reward"] for i in here] and here[0]["turn_reward"] == -1.0
+    assert there[-1]["turn_rewards"] == here[-1]["turn_rewards"] and len(here[-1]["turn_rewards"]) == 2

@@ -9,6 +9,7 @@ import pytest
 import torch
 from cgym.agents.options import SamplingOptions
 from cgym.envs.core import AgentEnv
+from cgym.envs.critique import Critique
 from cgym.envs.episode import Episode
 from cgym.envs.rubric import Check, CheckResult, Rubric
 from cgym.trainer.config import TrainConfig
@@ -176,3 +177,25 @@ def test_the_batch_head_stops_at_the_shared_prefix_and_the_first_scored_target(m
     monkeypatch.setattr(grpo, "shared_head", lambda model, head_ids: len(head_ids))
     assert grpo._batch_head(torch.nn.Linear(2, 2), batch) == expected
     assert grpo._batch_head(torch.nn.Linear(2, 2), None) is None
+
+
+def _critiqued_share_of_a(episode: Episode) -> CheckResult:
+    share = _share_of_a(episode).score
+    return CheckResult(True, share) if share > 0 else CheckResult.fail(Critique(episode.final_step, "no_a", "The answer has no 'a'."))
+
+
+class CritiquedToy(ToyEnv):
+    """ToyEnv that an answer with any 'a' passes and whose failures carry a critique, so turn credit has something to read."""
+
+    rubric = Rubric([Check("share_of_a", _critiqued_share_of_a, 1.0)])
+
+
+def test_turn_credit_reaches_the_loss(tiny_model: Path, tmp_path: Path) -> None:
+    from cgym.trainer.grpo import setup, train_step
+
+    rows = {}
+    for credit in ("episode", "turn"):
+        state = setup(_config(tiny_model, tmp_path / credit, steps=1, credit=credit, turn_weight=2.0), make_env=lambda split: CritiquedToy())
+        rows[credit] = train_step(state, 1)
+    assert rows["turn"]["reward_mean"] == rows["episode"]["reward_mean"]  # the same rollouts ...
+    assert rows["turn"]["grad_norm"] != pytest.approx(rows["episode"]["grad_norm"])  # ... other advantages

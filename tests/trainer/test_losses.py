@@ -241,13 +241,14 @@ def test_token_normalizer_dr_grpo_needs_length():
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 @pytest.mark.parametrize("num_micro", [1, 2, 4], ids=["1mb", "2mb", "4mb"])
-def test_micro_batches_match_full_batch(loss_type, num_micro):
+@pytest.mark.parametrize("per_token", [False, True], ids=["episode-credit", "turn-credit"])
+def test_micro_batches_match_full_batch(loss_type, num_micro, per_token):
     gen = torch.Generator().manual_seed(1)
     B, T = 8, 6
     logp = (-torch.rand(B, T, generator=gen, dtype=torch.float64) * 3).requires_grad_()
     old = logp.detach() + 0.3 * torch.randn(B, T, generator=gen, dtype=torch.float64)
     ref = logp.detach() + 0.3 * torch.randn(B, T, generator=gen, dtype=torch.float64)
-    adv = torch.randn(B, generator=gen, dtype=torch.float64)
+    adv = torch.randn(B, T, generator=gen, dtype=torch.float64) if per_token else torch.randn(B, generator=gen, dtype=torch.float64)
     mask = (torch.rand(B, T, generator=gen) < 0.6).long()
     mask[3] = 0  # an empty row
     shaped = torch.tensor([False, False, True, False, False, True, False, False])
@@ -295,3 +296,57 @@ def test_group_advantages_centre_near_equal_large_rewards() -> None:
     for adv in (group_advantages(rewards, 3), unified_advantages(rewards, torch.zeros(3, dtype=torch.long))):
         assert adv.dtype == torch.float32
         assert abs(float(adv.double().sum())) < 1e-6
+
+
+class TestTurnCredit:
+    def test_discounted_returns(self) -> None:
+        from cgym.trainer.losses import discounted_returns
+
+        assert discounted_returns([0.5, 0.5, -1.0], 0.5) == pytest.approx([0.5 + 0.25 - 0.25, 0.5 - 0.5, -1.0])
+        assert discounted_returns([], 0.9) == []
+
+    def test_a_hand_computed_group(self) -> None:
+        from cgym.trainer.losses import turn_advantages
+
+        # group 0: a clean 2-turn success and a 2-turn failure that broke at turn 2; gamma 1
+        out = turn_advantages([1.0, -1.0], [[0.5, 0.5], [0.5, -1.0]], [0, 0], gamma=1.0, weight=1.0)
+        returns = [1.0, 0.5, -0.5, -1.0]  # turn returns, pooled over the group
+        mean, std = sum(returns) / 4, (sum((r - sum(returns) / 4) ** 2 for r in returns) / 4) ** 0.5
+        expected = [[1.0 + (1.0 - mean) / std, 1.0 + (0.5 - mean) / std], [-1.0 + (-0.5 - mean) / std, -1.0 + (-1.0 - mean) / std]]
+        assert out == [pytest.approx(row, rel=1e-5) for row in expected]
+        assert out[1][1] < out[1][0]  # the turn that broke it gets less than the one before it
+
+    def test_equal_turn_returns_add_nothing_and_groups_do_not_mix(self) -> None:
+        from cgym.trainer.losses import turn_advantages
+
+        out = turn_advantages([0.3, -0.3, 2.0], [[0.5], [0.5], [-1.0, 0.5]], [0, 0, 1], gamma=0.9, weight=1.0)
+        assert out[0] == [0.3] and out[1] == [-0.3]
+        assert out[2][0] < 2.0 < out[2][1]  # group 1 is standardised on its own turns only
+
+    def test_the_baseline_is_pooled_not_per_turn_index(self) -> None:
+        from cgym.trainer.losses import turn_advantages
+
+        # If turn 3 of the long episode were compared only with other episodes' turn 3 (there are
+        # none), it would get no turn term; pooled, it is compared with every turn of the group.
+        out = turn_advantages([0.0, 0.0], [[0.5, 0.5, 0.5], [-1.0]], [0, 0], gamma=0.0, weight=1.0)
+        assert out[0][2] > 0 and out[1][0] < 0
+
+
+def test_each_turns_tokens_carry_that_turns_value() -> None:
+    from cgym.trainer.rollout import spread_over_tokens
+
+    mask = [0, 0, 1, 1, 0, 0, 1, 1, 1, 0]
+    assert spread_over_tokens(mask, [2, 3], [0.5, -1.0]) == [0, 0, 0.5, 0.5, 0, 0, -1.0, -1.0, -1.0, 0]
+    assert spread_over_tokens(mask, [2, 2], [0.5, -1.0]) is None  # the ledger and the turns disagree
+    assert spread_over_tokens(mask, [5], [0.5, -1.0]) is None
+
+
+def test_pack_puts_token_advantages_beside_the_shifted_targets() -> None:
+    from cgym.trainer.rollout import Trajectory, pack, slice_batch
+
+    trajs = [Trajectory([1, 2, 3, 4], [0, 1, 1, 0], [0.0] * 4, 1.0, True, 0, False), Trajectory([1, 2, 3], [0, 1, 1], [0.0] * 3, 0.0, False, 0, False)]
+    batch = pack(trajs, torch.tensor([0.7, -0.7]), pad_id=0, token_advantages=[[0.0, 0.2, 0.3, 0.0], None])
+    assert batch.advantages.shape == batch.mask.shape == (2, 3)
+    assert batch.advantages[0].tolist() == pytest.approx([0.2, 0.3, 0.0])  # position t+1's value at target t
+    assert batch.advantages[1].tolist() == pytest.approx([-0.7, -0.7, -0.7])  # no turn values: its own advantage
+    assert slice_batch(batch, slice(1, 2)).advantages.shape == (1, 2)
