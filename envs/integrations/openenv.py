@@ -38,6 +38,7 @@ from dataclasses import asdict
 from typing import Any, ClassVar
 
 import gymnasium as gym
+from cgym.envs import bounded_json
 from cgym.envs.core import CHARSET, MAX_ACTION_CHARS, MAX_OBSERVATION_CHARS, ResetNeeded, SimpleTask
 from cgym.envs.critique import Critique
 from cgym.envs.episode import Episode, StepRecord, ToolResult
@@ -271,13 +272,45 @@ class _Guard:
         if self.open[client] >= self.sessions_per_client:
             return await _refuse(scope, receive, send, 429, f"{client} holds {self.sessions_per_client} sessions already; close one first")
         self.open[client] += 1
+
+        async def checked_receive() -> dict[str, Any]:
+            """The next message, with frames OpenEnv would answer with a Python error answered here instead."""
+            while True:
+                message = await receive()
+                problem = _bad_frame(message) if message["type"] == "websocket.receive" else None
+                if problem is None:
+                    return message
+                await send({"type": "websocket.send", "text": json.dumps({"type": "error", "data": {"message": problem, "code": "INVALID_MESSAGE"}})})
+
         try:
             with contextlib.suppress(*_GONE):
-                await self.app(scope, receive, send)
+                await self.app(scope, checked_receive, send)
         finally:
             self.open[client] -= 1
             if self.open[client] <= 0:
                 del self.open[client]
+
+
+FRAME_SHAPE = '{"type": "reset" | "step" | "state" | "close", "data": {...}}'
+
+
+def _bad_frame(message: dict[str, Any]) -> str | None:
+    """What is wrong with a client's WebSocket frame, in the client's terms; None if OpenEnv can read it."""
+    raw = message.get("text")
+    if raw is None:
+        data = message.get("bytes") or b""
+        raw = data.decode("utf-8", errors="replace")
+    try:
+        frame = bounded_json.loads(raw)
+    except ValueError as exc:
+        return f"not valid JSON ({exc.args[0][:120]}); a message is {FRAME_SHAPE}"
+    if not isinstance(frame, dict):
+        return f"a message is a JSON object {FRAME_SHAPE}, got a JSON {type(frame).__name__}"
+    if not isinstance(frame.get("type", ""), str):
+        return f"'type' must be a string, got {type(frame['type']).__name__}; a message is {FRAME_SHAPE}"
+    if "data" in frame and not isinstance(frame["data"], dict):
+        return f"'data' must be a JSON object, got {type(frame['data']).__name__}; a message is {FRAME_SHAPE}"
+    return None
 
 
 def _carries(scope: dict[str, Any], token: str) -> bool:

@@ -269,3 +269,25 @@ def test_turn_rewards_cross_the_wire(served: Served) -> None:
     here, there = infos
     assert [i["turn_reward"] for i in there] == [i["turn_reward"] for i in here] and here[0]["turn_reward"] == -1.0
     assert there[-1]["turn_rewards"] == here[-1]["turn_rewards"] and len(here[-1]["turn_rewards"]) == 2
+
+
+@pytest.mark.parametrize(
+    ("frame", "said"),
+    [
+        ("42", "got a JSON int"),
+        ('["reset"]', "got a JSON list"),
+        ("{not json", "not valid JSON"),
+        ('{"type": "reset", "data": "x"}', "'data' must be a JSON object"),
+        ('{"type": 7}', "'type' must be a string"),
+        ('{"type": "reset", "data": ' + "[" * 5000 + "]" * 5000 + "}", "not valid JSON"),
+    ],
+    ids=["scalar", "list", "not-json", "data-not-object", "type-not-string", "nested-deeply"],
+)
+def test_a_malformed_frame_is_answered_by_name_and_the_session_goes_on(served: Served, frame: str, said: str) -> None:
+    with connect(served.url.replace("http://", "ws://") + "/ws") as ws:
+        ws.send(frame)
+        reply = json.loads(ws.recv(timeout=10))
+        assert reply["type"] == "error" and said in reply["data"]["message"] and "attribute" not in reply["data"]["message"]
+        ws.send(json.dumps({"type": "reset", "data": {"seed": 0}}))
+        assert json.loads(ws.recv(timeout=10))["type"] == "observation"
+    assert served.sessions_become(0) == 0
