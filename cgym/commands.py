@@ -13,7 +13,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from cgym.envs.errors import CgymError
+from cgym.envs.errors import CgymError, did_you_mean
 from cgym.options import config_kwargs
 
 console = Console()
@@ -54,7 +54,29 @@ def _with_split(env_id: str, env_kwargs: dict[str, Any], split: str) -> dict[str
 def _eval_config(args: argparse.Namespace, split: str) -> Any:
     from cgym.agents.eval.evaluate import EvalConfig
 
-    return EvalConfig(**config_kwargs(args, EvalConfig) | {"env_id": args.env, "env_kwargs": _with_split(args.env, args.env_kwargs, split)})
+    env_kwargs = _with_split(args.env, args.env_kwargs, split)
+    tasks = _task_ids(args.env, env_kwargs, args.tasks) if getattr(args, "tasks", None) else ()
+    return EvalConfig(**config_kwargs(args, EvalConfig) | {"env_id": args.env, "env_kwargs": env_kwargs, "task_ids": tasks})
+
+
+def _task_ids(env_id: str, env_kwargs: dict[str, Any], wanted: str) -> tuple[str, ...]:
+    """`--tasks`: every id of the env's task list ('all'), or the ids given, each checked against it."""
+    from cgym.envs.registration import make
+
+    env = make(env_id, **env_kwargs)
+    try:
+        ids = [task.id for task in env.unwrapped.tasks()]
+    except (AttributeError, NotImplementedError):
+        raise UsageError(f"--tasks: {env_id} has no fixed task list (its tasks are generated); use --episodes N") from None
+    finally:
+        env.close()
+    if wanted.strip() == "all":
+        return tuple(ids)
+    asked = [part.strip() for part in wanted.split(",") if part.strip()]
+    for task_id in asked:
+        if task_id not in ids:
+            raise UsageError(f"--tasks: {env_id} has no task {task_id!r}.{did_you_mean(task_id, ids)} It has {len(ids)} tasks; --tasks all runs each once")
+    return tuple(asked)
 
 
 def _prepare(*specs: str | None) -> None:

@@ -109,6 +109,7 @@ def run_episodes(
     on_done: Callable[[EpisodeResult], None] | None = None,
     conversation_for: Callable[[int, Conversation], Conversation] | None = None,
     pool: list[gym.Env] | None = None,
+    options_for: Callable[[int], dict[str, Any] | None] | None = None,
 ) -> list[EpisodeResult]:
     """Play one episode per seed; results come back in the order of `seeds`.
 
@@ -119,6 +120,7 @@ def run_episodes(
     `conversation_for(i, conv)` may replace the opening conversation of the i-th episode (e.g.
     with a refinement prompt); the env still scores the episode it started from that seed.
     `pool` reuses (and grows) a caller-owned list of envs instead of building new ones.
+    `options_for(i)` gives the i-th episode's reset options (e.g. `{"task_id": ...}`).
     """
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers must be an int >= 1 (1 steps the envs one after another), got {workers!r}")
@@ -135,7 +137,7 @@ def run_episodes(
     try:
         while queue or live:
             starts = [(*queue.pop(), free.pop()) for _ in range(min(len(queue), len(free)))]
-            opened = lanes.map([(env, partial(env.reset, seed=seed)) for _, seed, env in starts])
+            opened = lanes.map([(env, partial(env.reset, seed=seed, options=options_for(index) if options_for else None)) for index, seed, env in starts])
             for (index, seed, env), (_, info) in zip(starts, opened):
                 conv = _opening(env, info)
                 live[index] = _Slot(env, seed, conversation_for(index, conv) if conversation_for else conv, [])

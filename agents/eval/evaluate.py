@@ -34,6 +34,8 @@ class EvalConfig:
     matmuls better, and 100 episodes in one batch took 76 s against 94 s in batches of 64."""
     workers: int = 1
     """Threads stepping the batch's envs (pays when tools wait on I/O; 1: inline)."""
+    task_ids: tuple[str, ...] = ()
+    """These tasks, each once (times `samples`), instead of `episodes` seeds (`cgym eval --tasks`)."""
 
     def __post_init__(self) -> None:
         for name in ("episodes", "samples", "batch_size", "workers"):
@@ -45,14 +47,20 @@ class EvalConfig:
     @property
     def seeds(self) -> list[int]:
         """Task seeds: each repeated `samples` times, so pass@k sees k tries per task."""
-        return [self.seed + i for i in range(self.episodes) for _ in range(self.samples)]
+        count = len(self.task_ids) if self.task_ids else self.episodes
+        return [self.seed + i for i in range(count) for _ in range(self.samples)]
+
+    def options_for(self, index: int) -> dict[str, Any] | None:
+        """The reset options of the `index`-th episode: its task id when `task_ids` are given."""
+        return {"task_id": self.task_ids[index // self.samples]} if self.task_ids else None
 
 
 def evaluate(policy: Policy, config: EvalConfig, *, on_done: Callable[[EpisodeResult], None] | None = None) -> tuple[dict[str, Any], list[EpisodeResult]]:
     """Run the episodes and return the DESIGN.md eval summary plus the raw results."""
     start = time.perf_counter()
     cuts = getattr(policy, "context_cuts", None)  # a local model's turns not sampled: context full
-    results = run_episodes(lambda: make(config.env_id, **config.env_kwargs), policy, config.seeds, batch_size=config.batch_size, on_done=on_done, workers=config.workers)
+    options_for = config.options_for if config.task_ids else None
+    results = run_episodes(lambda: make(config.env_id, **config.env_kwargs), policy, config.seeds, batch_size=config.batch_size, on_done=on_done, workers=config.workers, options_for=options_for)
     summary = summarize(results, samples=config.samples)
     summary.update(env=config.env_id, env_kwargs=config.env_kwargs, policy=getattr(policy, "name", type(policy).__name__), seed=config.seed, wall_s=round(time.perf_counter() - start, 3))
     if cuts is not None:
