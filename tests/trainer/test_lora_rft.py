@@ -34,9 +34,9 @@ def test_rft_trains_only_on_verified_successes(tiny_model: Path, tmp_path: Path,
     seen: dict = {}
     real = grpo._update
 
-    def spy(state, trajs, advantages, step):
+    def spy(state, trajs, advantages, step, *rest):
         seen.update(trajs=trajs, advantages=advantages)
-        return real(state, trajs, advantages, step)
+        return real(state, trajs, advantages, step, *rest)
 
     monkeypatch.setattr(grpo, "_update", spy)
     state = setup(_config(tiny_model, tmp_path / "rft", algo="rft", group_size=8, tasks_per_step=4), make_env=lambda split: HasAEnv())
