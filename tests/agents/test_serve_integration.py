@@ -207,7 +207,7 @@ def test_training_samples_from_the_server_and_pushes_each_step(server, tmp_path:
     out = tmp_path / "run"
     config = TrainConfig(
         env_id="one-word", model=str(model_dir), out=str(out), steps=2, group_size=4, tasks_per_step=2, learning_rate=3e-3,
-        sampling=SamplingOptions(max_new_tokens=6), eval_episodes=0, progress=False, served=base_url,
+        sampling=SamplingOptions(max_new_tokens=6), eval_episodes=0, progress=False, served=base_url, lora_r=0,
     )  # fmt: skip
     train(config, make_env=lambda split: _OneWord())
 

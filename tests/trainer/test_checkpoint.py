@@ -187,7 +187,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _config(model: Path, out: Path, **overrides) -> TrainConfig:
-    base = dict(env_id="toy", model=str(model), out=str(out), steps=4, group_size=4, tasks_per_step=1, learning_rate=3e-3, sampling=SamplingOptions(max_new_tokens=4), micro_batch_size=4, save_every=2, progress=False, seed=0)
+    base = dict(env_id="toy", model=str(model), out=str(out), steps=4, group_size=4, tasks_per_step=1, learning_rate=3e-3, sampling=SamplingOptions(max_new_tokens=4), micro_batch_size=4, save_every=2, progress=False, seed=0, lora_r=0)
     return TrainConfig(**{**base, **overrides})
 
 

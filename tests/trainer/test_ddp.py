@@ -40,7 +40,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _config(model: Path, out: Path, **overrides: Any) -> TrainConfig:
-    base = dict(env_id="toy", model=str(model), out=str(out), steps=STEPS, group_size=4, tasks_per_step=2, rollout_groups=1, learning_rate=3e-3, sampling=SamplingOptions(max_new_tokens=6), micro_batch_size=4, eval_episodes=0, progress=False, seed=0)
+    base = dict(env_id="toy", model=str(model), out=str(out), steps=STEPS, group_size=4, tasks_per_step=2, rollout_groups=1, learning_rate=3e-3, sampling=SamplingOptions(max_new_tokens=6), micro_batch_size=4, eval_episodes=0, progress=False, seed=0, lora_r=0)
     return TrainConfig(**{**base, **overrides})
 
 

@@ -55,7 +55,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _config(model: Path, out: Path, **overrides) -> TrainConfig:
-    base = dict(env_id="toy", model=str(model), out=str(out), steps=10, group_size=8, tasks_per_step=2, learning_rate=3e-3, sampling=SamplingOptions(max_new_tokens=8), micro_batch_size=8, progress=False, seed=0)
+    base = dict(env_id="toy", model=str(model), out=str(out), steps=10, group_size=8, tasks_per_step=2, learning_rate=3e-3, sampling=SamplingOptions(max_new_tokens=8), micro_batch_size=8, progress=False, seed=0, lora_r=0)
     return TrainConfig(**{**base, **overrides})
 
 
@@ -143,7 +143,7 @@ def test_trainable_limits_which_weights_move(tiny_model: Path, tmp_path: Path, t
 @pytest.mark.parametrize(
     "overrides",
     [{"loss_type": "dapo2"}, {"zero_std": "ignore"}, {"critique": "steps"}, {"group_size": 1}, {"trainable": "mlp"},
-     {"served": "ftp://host/v1"}, {"served_engine": "sglang"}, {"push_every": 0}, {"served": "http://127.0.0.1:8000/v1", "served_engine": "vllm"}],
+     {"served": "ftp://host/v1"}, {"served_engine": "sglang"}, {"push_every": 0}, {"served": "http://127.0.0.1:8000/v1", "served_engine": "vllm", "lora_r": 0}],
     ids=["loss", "zero-std", "critique", "group", "trainable", "served-scheme", "served-engine", "push-every", "vllm-needs-lora"],
 )  # fmt: skip
 def test_config_is_validated_at_parse_time(tmp_path: Path, overrides: dict) -> None:

@@ -180,7 +180,7 @@ def test_training_samples_from_in_process_vllm_and_pushes_each_step(fake_vllm, t
     out = tmp_path / "run"
     config = TrainConfig(
         env_id="one-word", model=str(tiny_chat_model), out=str(out), steps=2, group_size=2, tasks_per_step=1,
-        sampling=SamplingOptions(max_new_tokens=6), eval_episodes=0, progress=False, served="vllm:", vllm_memory=0.5,
+        sampling=SamplingOptions(max_new_tokens=6), eval_episodes=0, progress=False, served="vllm:", vllm_memory=0.5, lora_r=0,
     )  # fmt: skip
     train(config, make_env=lambda split: _OneWord())
     llm = fake_vllm.last
