@@ -155,7 +155,7 @@ def grpo_steps(model: str, steps: int, out: Path, draft_tokens: int = LOOKUP_TOK
     from cgym.trainer.config import TrainConfig
     from cgym.trainer.grpo import setup, train_step
 
-    config = TrainConfig(env_id=ENV_ID, env_kwargs=ENV_KWARGS, model=model, out=str(out), group_size=8, tasks_per_step=4, eval_episodes=0, progress=False)
+    config = TrainConfig(env_id=ENV_ID, env_kwargs=ENV_KWARGS, model=model, out=str(out), group_size=8, tasks_per_step=4, eval_episodes=0, progress=False, lora_r=0)  # full fine-tuning, as its figures say
     state = setup(config)
     state.policy.draft_tokens = draft_tokens
     times, counts, rows = [], [], []

@@ -73,7 +73,7 @@ def run_arm(name: str, overrides: dict[str, Any], seed: int, setting: Setting, *
         env_id=setting.env_id, env_kwargs={"difficulty": setting.difficulty}, model=setting.model, out=str(out),
         steps=10_000, time_budget_s=setting.budget_s, eval_every=setting.eval_every, eval_episodes=0 if start is not None else setting.eval_episodes,
         group_size=setting.group_size, tasks_per_step=setting.tasks_per_step, task_pool=setting.task_pool,
-        learning_rate=setting.learning_rate, temperature=setting.temperature, seed=seed, progress=False,
+        learning_rate=setting.learning_rate, temperature=setting.temperature, seed=seed, progress=False, lora_r=0,  # its figures are full fine-tuning
     )  # fmt: skip
     config = TrainConfig.from_dict({**base, **overrides})  # an arm's overrides win over the shared setting
     result = train(config, overwrite=True)  # a run cut short is run again whole

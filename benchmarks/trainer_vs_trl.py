@@ -175,7 +175,7 @@ def our_state(config: BenchConfig, model_dir: Path, out: Path, seen: list[int | 
         env_id=ENV_ID, env_kwargs=ENV_KWARGS, model=str(model_dir), out=str(out),
         group_size=config.group_size, tasks_per_step=config.tasks_per_step,
         sampling=SamplingOptions(temperature=1.0, top_p=1.0, max_new_tokens=config.max_new_tokens), loss_type=config.loss_type,
-        learning_rate=config.learning_rate, micro_batch_size=config.batch, beta=0.0, num_iterations=1, seed=config.seed, progress=False,
+        learning_rate=config.learning_rate, micro_batch_size=config.batch, beta=0.0, num_iterations=1, seed=config.seed, progress=False, lora_r=0,  # like TRL's side: every weight
     )  # fmt: skip
     return setup(train_config, make_env=lambda split: SeedLog(train_env(split), seen))
 
