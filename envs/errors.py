@@ -52,3 +52,11 @@ def check_choice(name: str, value: object, choices: Iterable[str]) -> None:
         raise InvalidChoiceError(
             f"{name}={value!r} is not valid; choose one of {options}.{did_you_mean(str(value), options)}"
         )
+
+
+def first_line(exc: BaseException, limit: int | None = None) -> str:
+    """The first line of an exception's message (cut to `limit` characters), or '' when it has none:
+    the part of a library's error worth putting in a one-line message."""
+    text = str(exc).strip()
+    line = text.splitlines()[0] if text else ""
+    return line[:limit] if limit is not None else line

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 from cgym.agents.pretrained import sha256_of
-from cgym.envs.errors import CgymError
+from cgym.envs.errors import CgymError, first_line
 
 STATE_FILE = "trainer_state.pt"
 MANIFEST = "manifest.json"
@@ -114,7 +114,7 @@ def load_state(directory: Path, *, optimizer: torch.optim.Optimizer, scheduler: 
     try:
         state = torch.load(path, weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as exc:
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        reason = first_line(exc) or type(exc).__name__
         raise CheckpointError(f"{path} cannot be loaded as plain tensors and values (weights_only=True): {reason}") from None
     try:
         _check_shapes(optimizer, state["optimizer"])

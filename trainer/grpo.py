@@ -39,7 +39,7 @@ from cgym.agents.local.sampling import MIN_SHARED_PREFIX, SharedHead, sequence_l
 from cgym.agents.options import SamplingOptions
 from cgym.agents.pretrained import resolve_model
 from cgym.envs.credit import critiqued_turns, turn_rewards
-from cgym.envs.errors import ConfigError
+from cgym.envs.errors import ConfigError, first_line
 from cgym.envs.registration import make
 from cgym.trainer.checkpoint import CheckpointError, good_checkpoints, load_state, save_checkpoint
 from cgym.trainer.config import VLLM_IN_PROCESS, TrainConfig
@@ -143,8 +143,7 @@ def _load(config: TrainConfig, checkpoint: Path | None, world: World) -> tuple[H
     except Exception as exc:  # whatever a damaged or planted weights file raises: try the previous checkpoint
         if checkpoint is None:
             raise
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        raise CheckpointError(f"{checkpoint}: its weights do not load ({type(exc).__name__}: {reason})") from None
+        raise CheckpointError(f"{checkpoint}: its weights do not load ({type(exc).__name__}: {first_line(exc)})") from None
     freeze_except(policy.model, config.trainable)
     params = [p for p in policy.model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=config.weight_decay)

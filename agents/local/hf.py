@@ -24,7 +24,7 @@ from cgym.agents.local.sampling import LOOKUP_TOKENS, Sample, sample_batch
 from cgym.agents.local.turn_cache import TurnCache
 from cgym.agents.options import DEFAULT_SAMPLING, SamplingOptions
 from cgym.agents.pretrained import SHORT_NAMES, resolve_model
-from cgym.envs.errors import CgymError
+from cgym.envs.errors import CgymError, first_line
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -208,8 +208,7 @@ def _load_errors(name_or_path: str | Path) -> Iterator[None]:
     try:
         yield
     except Exception as exc:  # transformers, safetensors, tokenizers and the hub client each raise their own
-        reason = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
-        raise ModelLoadError(f"cannot load the model {str(name_or_path)!r}: {reason}") from None
+        raise ModelLoadError(f"cannot load the model {str(name_or_path)!r}: {first_line(exc, 300) or type(exc).__name__}") from None
 
 
 def _check_local(path: str, shown: str | Path) -> None:
