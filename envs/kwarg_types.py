@@ -9,6 +9,7 @@ unions, `Literal`, and the outer type of containers); an annotation it cannot re
 from __future__ import annotations
 
 import collections.abc
+import functools
 import inspect
 import types
 import typing
@@ -22,7 +23,21 @@ _CONTAINERS: dict[Any, tuple[type, ...]] = {
 
 
 def annotations_of(creator: Callable[..., Any]) -> dict[str, Any]:
-    """The resolved parameter annotations of a function or class (its `__init__`); {} when they do not resolve."""
+    """The resolved parameter annotations of a function or class (its `__init__`); {} when they do
+    not resolve. Cached per creator: resolving them took about half of a `make` (240 of 450 us for
+    ApiReport), and an eval makes an env per episode. The dict is shared: read it, do not change it."""
+    try:
+        return _cached_annotations(creator)
+    except TypeError:  # an unhashable creator
+        return _annotations(creator)
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_annotations(creator: Callable[..., Any]) -> dict[str, Any]:
+    return _annotations(creator)
+
+
+def _annotations(creator: Callable[..., Any]) -> dict[str, Any]:
     target = creator.__init__ if inspect.isclass(creator) else creator
     try:
         return typing.get_type_hints(target)
