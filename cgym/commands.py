@@ -300,7 +300,8 @@ def _serve_openenv(args: argparse.Namespace) -> int:
     max_sessions = args.max_sessions or 64
     token = args.token or os.environ.get(TOKEN_ENV) or None
     per_client = args.sessions_per_client or (max_sessions if loopback else max(1, max_sessions // 4))
-    app = build_app(args.env, env_kwargs=args.env_kwargs, max_sessions=max_sessions, session_timeout_s=args.session_timeout or DEFAULT_SESSION_TIMEOUT_S, sessions_per_client=per_client, token=token)
+    timeout_s = args.session_timeout or DEFAULT_SESSION_TIMEOUT_S
+    app = build_app(args.env, env_kwargs=args.env_kwargs, max_sessions=max_sessions, session_timeout_s=timeout_s, sessions_per_client=per_client, token=token)
     try:
         sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
     except (OSError, OverflowError) as exc:
@@ -309,7 +310,7 @@ def _serve_openenv(args: argparse.Namespace) -> int:
     url = f"http://{shown}:{sock.getsockname()[1]}"
     if not loopback and not token:
         console.print(f"[yellow]warning:[/yellow] listening on {host}, beyond this machine, with no token: anyone who reaches it can open sessions. Pass --token (or set {TOKEN_ENV}).", soft_wrap=True)
-    console.print(f"serving {args.env} {json.dumps(args.env_kwargs)} over OpenEnv at {url} (sessions on /ws, {per_client} per client, idle ones closed after {args.session_timeout or DEFAULT_SESSION_TIMEOUT_S:.0f}s); Ctrl-C stops", soft_wrap=True)
+    console.print(f"serving {args.env} {json.dumps(args.env_kwargs)} over OpenEnv at {url} (sessions on /ws, {per_client} per client, idle ones closed after {timeout_s:.0f}s); Ctrl-C stops", soft_wrap=True)
     kwargs = {"url": url} | ({"token": "..."} if token else {})
     console.print(f"play it with: --env {REMOTE_ENV_ID} --env-kwargs '{json.dumps(kwargs)}'", soft_wrap=True, highlight=False)
     serve(app, sock)

@@ -426,13 +426,10 @@ def _keep_rows(trajs: list[Trajectory], rewards: torch.Tensor, groups: torch.Ten
 def _turn_credit(trajs: list[Trajectory], advantages: torch.Tensor, cfg: TrainConfig) -> list[list[float] | None]:
     """Each sampled token's advantage under turn credit; None for a row that keeps its episode
     advantage (a refinement, or a ledger its turns do not line up with)."""
-    own = [not t.refined and t.result is not None for t in trajs]
-    rewards = [turn_rewards(len(t.result.turns), critiqued_turns(t.result.critiques)) if ok and t.result else [] for t, ok in zip(trajs, own)]
+    results = [None if t.refined else t.result for t in trajs]
+    rewards = [turn_rewards(len(r.turns), critiqued_turns(r.critiques)) if r else [] for r in results]
     per_turn = turn_advantages(advantages.tolist(), rewards, [t.group for t in trajs], gamma=cfg.turn_gamma, weight=cfg.turn_weight)
-    return [
-        spread_over_tokens(t.mask, [len(turn.token_ids) for turn in t.result.turns], values) if ok and t.result else None
-        for t, ok, values in zip(trajs, own, per_turn)
-    ]
+    return [spread_over_tokens(t.mask, [len(turn.token_ids) for turn in r.turns], values) if r else None for t, r, values in zip(trajs, results, per_turn)]
 
 
 def _update(state: TrainState, trajs: list[Trajectory], advantages: torch.Tensor, step: int, per_token: list[list[float] | None] | None = None) -> dict[str, Any]:
