@@ -25,7 +25,7 @@ from typing import Any, ClassVar, Literal, Protocol
 import gymnasium as gym
 import numpy as np
 from cgym.envs.credit import DEFAULT_CREDIT, TurnCredit, turn_rewards
-from cgym.envs.critique import Critique, CritiqueStyle, render
+from cgym.envs.critique import Critique, CritiqueStyle, new_mistakes, render
 from cgym.envs.episode import Episode, StepRecord, ToolResult
 from cgym.envs.errors import CgymError, InvalidChoiceError, check_choice, did_you_mean
 from cgym.envs.rubric import Rubric, Score
@@ -201,7 +201,7 @@ class AgentEnv(gym.Env[str, str]):
         episode.steps.append(record)
         terminated = self._final_answer is not None or self.single_response
         truncated = not terminated and index >= self.max_turns
-        info = self._info(record.critique)
+        info = self._info(record)
         reward = 0.0
         if terminated or truncated:
             reward = self._end_episode(truncated, info)
@@ -267,8 +267,7 @@ class AgentEnv(gym.Env[str, str]):
         calls = parsed.calls[: MAX_CALLS_PER_TURN - len(errors)]
         contents: list[str] = []
         for error in errors:
-            critique = Critique(index, error.code, error.message, got=error.got)
-            record.critique = record.critique or critique
+            record.critiques.append(Critique(index, error.code, error.message, got=error.got))
             contents.append(self._reply("invalid_tool_call", f"Error [{error.code}]: {error.message}"))
         for done, call in enumerate(calls):
             if self._final_answer is not None:
@@ -279,7 +278,8 @@ class AgentEnv(gym.Env[str, str]):
                 break
             result = self._call(call, index)
             record.results.append(result)
-            record.critique = record.critique or result.critique
+            if result.critique is not None:
+                record.critiques.append(result.critique)
             contents.append(self._reply(call.name, result.content))
         attempts = len(parsed.errors) + len(parsed.calls)
         if attempts > MAX_CALLS_PER_TURN and self._final_answer is None:
@@ -306,8 +306,8 @@ class AgentEnv(gym.Env[str, str]):
         self._schemas = [t.schema for t in tools]
 
     def _refuse(self, record: StepRecord, code: str, message: str, name: str, expected: Any, got: Any) -> str:
-        """Critique `record` (unless it has a critique already) and reply with the refusal."""
-        record.critique = record.critique or Critique(record.index, code, message, expected, got)
+        """Critique `record` and reply with the refusal."""
+        record.critiques.append(Critique(record.index, code, message, expected, got))
         return self._reply(name, f"Error [{code}]: {message}")
 
     def _call(self, call: ToolCall, index: int) -> ToolResult:
@@ -337,14 +337,14 @@ class AgentEnv(gym.Env[str, str]):
         assert self._episode is not None
         self._episode.final_answer = self._final_answer
         self._episode.truncated = truncated
-        critiques = [s.critique for s in self._episode.steps if s.critique is not None]
+        critiques = [c for step in self._episode.steps for c in step.critiques]
         try:
             self.before_score(self._episode)
         except Exception as exc:  # noqa: BLE001 - the hook reads the model's answer; the checks still run
             message = f"Preparing the score failed: {type(exc).__name__}: {_clip(str(exc))}"
             critiques.append(Critique(self._episode.final_step, "scoring_crashed", message))
         score = self.rubric.score(self._episode)
-        critiques += score.critiques
+        critiques += new_mistakes(critiques, score.critiques)
         if truncated and not score.success:
             critiques.append(
                 Critique(self._episode.final_step, self.truncation_code, reason or f"The turn limit ({self.max_turns}) was reached without a final answer.")
@@ -361,14 +361,15 @@ class AgentEnv(gym.Env[str, str]):
         )
         return score.reward
 
-    def _info(self, critique: Critique | None) -> dict[str, Any]:
+    def _info(self, record: StepRecord | None) -> dict[str, Any]:
         task = self._episode.task if self._episode else None
         steps = self._episode.steps if self._episode else []
         return {
             "turn_reward": turn_rewards(len(steps), [s.index for s in steps if s.critique], self.turn_credit)[-1] if steps else 0.0,
             "messages": list(self._messages),
             "tools": self._schemas,
-            "critique": critique.to_dict() if critique else None,
+            "critique": record.critique.to_dict() if record and record.critique else None,
+            "step_critiques": [c.to_dict() for c in record.critiques] if record else [],
             "turn": len(self._episode.steps) if self._episode else 0,
             "task_id": getattr(task, "id", None),
             "task": task,

@@ -47,6 +47,17 @@ class Critique:
         return text
 
 
+
+def new_mistakes(known: list[Critique], found: tuple[Critique, ...] | list[Critique]) -> list[Critique]:
+    """The critiques of `found` that name a mistake `known` does not: one critique per mistake.
+
+    A mistake is a code at a step: a rubric check that reports the `missing_argument` a tool's
+    schema already reported at that turn adds nothing, so it is dropped; the known one (which names
+    the argument's JSON path) stays.
+    """
+    seen = {(c.step, c.code) for c in known}
+    return [c for c in found if (c.step, c.code) not in seen]
+
 def _short(value: Any, limit: int = 160) -> str:
     text = value if isinstance(value, str) else json.dumps(value, default=str)
     return text if len(text) <= limit else text[: limit - 3] + "..."
@@ -72,8 +83,8 @@ def render_step(episode: Episode, critiques: list[Critique], success: bool) -> s
     for record in episode.steps:
         lines.append(f"Step {record.index}: {record.summary()}")
         found = by_step.pop(record.index, [])
-        marker = " (first error)" if record.index == first_wrong else ""
-        for critique in found:
+        for n, critique in enumerate(found):
+            marker = " (first error)" if record.index == first_wrong and n == 0 else ""
             lines.append(f"  - incorrect{marker} [{critique.code}]: {critique.line()}")
         if not found:
             lines.append("  - ok")

@@ -28,8 +28,14 @@ class StepRecord:
     action: str
     calls: list[ToolCall] = field(default_factory=list)
     results: list[ToolResult] = field(default_factory=list)
-    critique: Critique | None = None
+    critiques: list[Critique] = field(default_factory=list)
+    """Every critique of this turn, in the order they arose (unreadable calls, then calls, then refusals)."""
     final: bool = False
+
+    @property
+    def critique(self) -> Critique | None:
+        """The turn's first critique (None: the turn was fine)."""
+        return self.critiques[0] if self.critiques else None
 
     def summary(self) -> str:
         """One line for step-level critiques: what the agent did at this turn."""

@@ -108,6 +108,7 @@ def episode_to_dict(episode: Episode) -> dict[str, Any]:
                     "action": step.action,
                     "final": step.final,
                     "critique": _critique_dict(step.critique),
+                    "critiques": [_critique_dict(c) for c in step.critiques],
                     "calls": [asdict(call) for call in step.calls],
                     "results": [{"call": asdict(r.call), "ok": r.ok, "content": r.content, "critique": _critique_dict(r.critique)} for r in step.results],
                 }
@@ -125,7 +126,7 @@ def episode_from_dict(data: Mapping[str, Any]) -> Episode:
             action=step["action"],
             calls=[ToolCall(**call) for call in step["calls"]],
             results=[ToolResult(ToolCall(**r["call"]), r["ok"], r["content"], _critique(r["critique"])) for r in step["results"]],
-            critique=_critique(step["critique"]),
+            critiques=[c for c in map(_critique, step.get("critiques", [step["critique"]])) if c is not None],
             final=step["final"],
         )
         for step in data["steps"]

@@ -81,3 +81,38 @@ def test_an_env_may_keep_drawing() -> None:
 
     ids = {Drawn().reset(seed=s)[1]["task_id"] for s in range(40)}
     assert len(ids) > 1
+
+
+class Strict(Calculator):
+    """Its check reports a missing argument itself, as the tool's schema already does."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.rubric = Rubric([Check("both_called", _both_called), Check("complete", _complete)])
+
+
+def _complete(episode: Episode) -> CheckResult:
+    short = [call for step in episode.steps for call in step.calls if set(call.arguments) != {"a", "b"}]
+    return CheckResult.fail(Critique(1, "missing_argument", "a call lacks an argument")) if short else CheckResult.ok()
+
+
+def test_every_critique_of_a_turn_is_kept_and_a_mistake_is_reported_once() -> None:
+    env = Strict(max_turns=1)
+    env.reset(seed=0)
+    turn = '<tool_call>not json</tool_call><tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call><tool_call>{"name": "mul", "arguments": {"a": 1, "b": "x"}}</tool_call>'
+    _, _, terminated, _, info = env.step(turn)
+    step_codes = [c["code"] for c in info["step_critiques"]]
+    assert len(step_codes) == 3 and step_codes[1:] == ["missing_argument", "invalid_argument"]  # the unreadable call, then each bad call
+    assert info["critique"] == info["step_critiques"][0]
+    assert [c.code for c in info["episode"].steps[0].critiques] == step_codes
+    codes = [c["code"] for c in info["critiques"]]
+    assert terminated and codes.count("missing_argument") == 1  # the check's own missing_argument names no new mistake
+    assert codes == step_codes  # both_called passed; complete's critique was the tool's, already there
+
+
+def test_the_step_critique_marks_only_one_first_error() -> None:
+    env = Strict(max_turns=1)
+    env.reset(seed=0)
+    env.step('<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call><tool_call>{"name": "mul", "arguments": {"b": 1}}</tool_call>')
+    text = env.critique_text("step")
+    assert text.count("(first error)") == 1 and text.count("[missing_argument]") == 2

@@ -291,3 +291,19 @@ def test_a_malformed_frame_is_answered_by_name_and_the_session_goes_on(served: S
         ws.send(json.dumps({"type": "reset", "data": {"seed": 0}}))
         assert json.loads(ws.recv(timeout=10))["type"] == "observation"
     assert served.sessions_become(0) == 0
+
+
+def test_an_episode_crosses_the_wire_with_every_critique_of_each_turn() -> None:
+    from cgym.envs.core import SimpleTask
+    from cgym.envs.critique import Critique
+    from cgym.envs.episode import Episode, StepRecord
+    from cgym.envs.integrations.openenv import episode_from_dict, episode_to_dict
+
+    two = [Critique(1, "invalid_tool_call", "unreadable", got="not json"), Critique(1, "missing_argument", "b is required", expected=["b"])]
+    episode = Episode(SimpleTask("t", "p", "g"), [StepRecord(1, "a", critiques=two), StepRecord(2, "done", final=True)], final_answer="done")
+    back = episode_from_dict(json.loads(json.dumps(episode_to_dict(episode))))
+    assert back.steps[0].critiques == two and back.steps[0].critique == two[0] and back.steps[1].critiques == []
+    old_wire = episode_to_dict(episode)
+    for step in old_wire["steps"]:
+        del step["critiques"]  # a server from before the list: its one critique still arrives
+    assert episode_from_dict(old_wire).steps[0].critiques == two[:1]
