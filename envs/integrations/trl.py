@@ -27,9 +27,13 @@ What TRL cannot express, and how this adapter carries it:
 - Turn rewards (`envs.credit`). TRL's GRPO takes one reward per completion and has no per-turn or
   per-token advantage to put them in, so they stay on the instance (`.turn_rewards`) for logging;
   training on them needs `cgym train --credit turn`.
-- Per-task tools. TRL reads the tool methods once, from the class; they are the tools of the
-  env's first episode (seed 0). A call to a tool the current episode lacks is the env's
-  `unknown_tool` critique.
+- Per-task tools. TRL reads the tool methods once, from the class, and shows them to every
+  rollout: it has no way to give each row its own tools. `environment_factory` therefore reads
+  every task's tools (each task of the env's task list; for generated tasks, the first
+  `PROBE_SEEDS` seeds) and refuses an env whose tools differ between tasks
+  (`PerTaskToolsError`, naming two tasks and their tools), rather than train every row on one
+  row's tools. `per_task_tools="union"` opts in to showing every task's tools to every row; a call
+  to a tool the row's own task lacks is then the env's `unknown_tool` critique.
 """
 
 from __future__ import annotations
@@ -52,8 +56,16 @@ _JSON_HINTS: dict[str, Any] = {"string": str, "integer": int, "number": float, "
 _OPEN_REASON = "The rollout ended without a final answer (the trainer's completion budget or tool-call limit ran out)."
 
 
+PROBE_SEEDS = 32
+"""Seeds whose episodes `environment_factory` reads the tools of, for an env without a task list."""
+
+
 class ToolNameError(CgymError, ValueError):
     """An env tool whose name (or argument name) cannot be a method of the TRL environment class."""
+
+
+class PerTaskToolsError(CgymError, ValueError):
+    """An env whose tasks have different tools, which TRL's one class of tool methods cannot express."""
 
 
 class CgymTrlEnv:
@@ -144,8 +156,7 @@ class CgymTrlEnv:
 
     def _step(self, action: str) -> str:
         observation, reward, terminated, truncated, info = self._env.step(action)
-        if info["critique"] is not None:
-            self._critiques.append(info["critique"])
+        self._critiques += info["step_critiques"]
         if terminated or truncated:
             self._end(reward, info)
         return observation
@@ -157,20 +168,72 @@ class CgymTrlEnv:
         self._turn_rewards = list(info.get("turn_rewards", []))
 
 
-def environment_factory(env_id: str, **env_kwargs: Any) -> type[CgymTrlEnv]:
+def environment_factory(env_id: str, per_task_tools: Literal["refuse", "union"] = "refuse", **env_kwargs: Any) -> type[CgymTrlEnv]:
     """The class to pass as `GRPOTrainer(environment_factory=...)`: one method per tool of `env_id`.
 
-    `env_kwargs` go to `envs.make` for every instance (use the same as for `dataset`).
+    `env_kwargs` go to `envs.make` for every instance (use the same as for `dataset`). An env whose
+    tasks have different tools raises `PerTaskToolsError` unless `per_task_tools="union"` (see the
+    module's notes).
     """
-    probe = make(env_id, **env_kwargs)
-    _, info = probe.reset(seed=0)
-    probe.close()
+    if per_task_tools not in ("refuse", "union"):
+        raise ValueError(f"per_task_tools must be 'refuse' or 'union', got {per_task_tools!r}")
     methods = {}
-    for schema in info["tools"]:
+    for schema in shared_tools(env_id, env_kwargs, union=per_task_tools == "union"):
         method = tool_method(schema)
         methods[method.__name__] = method
     name = "Cgym" + "".join(part[:1].upper() + part[1:] for part in re.split(r"\W+", env_id.rsplit("/", 1)[-1]))
     return type(name, (CgymTrlEnv,), {"env_id": env_id, "env_kwargs": dict(env_kwargs), **methods})
+
+
+def shared_tools(env_id: str, env_kwargs: Mapping[str, Any], *, union: bool = False) -> list[dict[str, Any]]:
+    """The one tool list every TRL rollout of `env_id` sees: the tools all its tasks share.
+
+    Raises `PerTaskToolsError` when tasks differ, unless `union` (then every task's tools, each
+    name once; a name whose schema differs between tasks is still refused).
+    """
+    env = make(env_id, **env_kwargs)
+    try:
+        by_task = _tools_by_task(env.unwrapped)
+    finally:
+        env.close()
+    merged: dict[str, dict[str, Any]] = {}
+    first_of: dict[str, str] = {}
+    first_task, first_tools = next(iter(by_task.items()))
+    for task_id, tools in by_task.items():
+        if not union and tools != first_tools:
+            raise PerTaskToolsError(
+                f"{env_id} gives its tasks different tools (task {first_task!r}: {_names(first_tools)}; task {task_id!r}: {_names(tools)}). "
+                "TRL's environment_factory shows one class's tool methods to every rollout, so every row would be trained with one task's tools. "
+                "Train it with `cgym train`, or pass per_task_tools='union' to show every task's tools to every row "
+                "(a call to a tool the row's task lacks is then an unknown_tool critique)."
+            )
+        for schema in tools:
+            name = schema.get("function", schema)["name"]
+            if name in merged and merged[name] != schema:
+                raise PerTaskToolsError(f"{env_id}: tasks {first_of[name]!r} and {task_id!r} both offer a tool {name!r}, with different schemas; one TRL method cannot be both")
+            merged.setdefault(name, schema)
+            first_of.setdefault(name, task_id)
+    return list(merged.values())
+
+
+def _tools_by_task(env: AgentEnv) -> dict[str, list[dict[str, Any]]]:
+    """Each task's tool schemas: every task of the env's list, or the first `PROBE_SEEDS` seeds' episodes."""
+    if type(env).tools_for is AgentEnv.tools_for:  # fixed tools: one episode shows them all
+        _, info = env.reset(seed=0)
+        return {str(info["task_id"]): info["tools"]}
+    try:
+        tasks = list(env.tasks())
+    except NotImplementedError:  # generated tasks: read the episodes' tools
+        found = {}
+        for seed in range(PROBE_SEEDS):
+            _, info = env.reset(seed=seed)
+            found.setdefault(str(info["task_id"] if info["task_id"] is not None else seed), info["tools"])
+        return found
+    return {str(getattr(task, "id", i)): [tool.schema for tool in env.tools_for(task)] for i, task in enumerate(tasks)}
+
+
+def _names(tools: Sequence[Mapping[str, Any]]) -> list[str]:
+    return [schema.get("function", schema)["name"] for schema in tools]
 
 
 def tool_method(schema: Mapping[str, Any]) -> Callable[..., str]:

@@ -266,3 +266,59 @@ def test_a_call_parsed_by_trl_runs_in_the_env(tiny_model: Path) -> None:
     native = envs.make(API, **EASY)
     native.reset(seed=0)
     assert reply == native.step('<tool_call>{"name": "list_orders", "arguments": {"customer_id": 7}}</tool_call>')[0]
+
+
+def add_numbers(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: The first.
+        b: The second.
+    """
+    return a + b
+
+
+def multiply_numbers(a: int, b: int) -> int:
+    """Multiply two integers.
+
+    Args:
+        a: The first.
+        b: The second.
+    """
+    return a * b
+
+
+class PerTaskTools(AgentEnv):
+    """Task 'sum' offers add, task 'product' offers mul (or both offer add when `same`)."""
+
+    def __init__(self, *, same: bool = False, render_mode: str | None = None) -> None:
+        super().__init__(tasks=[SimpleTask("sum", "Add 2 and 3."), SimpleTask("product", "Multiply 2 and 3.")], max_turns=2, render_mode=render_mode)
+        self.same = same
+        self.rubric = Rubric([Check("answered", lambda episode: CheckResult.ok())])
+
+    def tools_for(self, task: SimpleTask) -> list[Tool]:
+        return [Tool.from_function(add_numbers if task.id == "sum" or self.same else multiply_numbers)]
+
+
+@pytest.fixture
+def per_task_env() -> Any:
+    gym.register("test/PerTaskTools-v0", entry_point=PerTaskTools)
+    yield "test/PerTaskTools-v0"
+    gym.registry.pop("test/PerTaskTools-v0")
+
+
+def test_an_env_whose_tasks_have_different_tools_is_refused_loudly(per_task_env: str) -> None:
+    from cgym.envs.integrations.trl import PerTaskToolsError
+
+    with pytest.raises(PerTaskToolsError, match=r"task 'sum': \['add_numbers'\]; task 'product': \['multiply_numbers'\].*per_task_tools='union'"):
+        environment_factory(per_task_env)
+    assert {"add_numbers"} <= set(vars(environment_factory(per_task_env, same=True)))  # tools_for overridden, tools alike: fine
+
+
+def test_the_union_shows_every_tasks_tools_and_the_env_still_refuses_a_foreign_one(per_task_env: str) -> None:
+    cls = environment_factory(per_task_env, per_task_tools="union")
+    env = cls()
+    env.reset(task_id="sum")
+    assert env.add_numbers(a=2, b=3) == "5"
+    reply = env.multiply_numbers(a=2, b=3)  # the row's task offers no mul
+    assert "unknown_tool" in reply and [c["code"] for c in env.critiques] == ["unknown_tool"]
