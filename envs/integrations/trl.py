@@ -10,6 +10,15 @@ rows `reset` understands; `env_reward` is the reward function::
     trainer = GRPOTrainer(model, reward_funcs=env_reward, train_dataset=dataset("cgym/ApiReport-v0", 64),
                           environment_factory=environment_factory("cgym/ApiReport-v0"), args=config)
 
+`for_trl(tokenizer)` readies the project's own models for TRL: TRL knows the response formats
+of a list of chat templates and refuses the rest (SmolLM2's, the embedded tiny model's). Both
+write calls the way critique-gym renders and parses them (Hermes `<tool_call>` blocks in ChatML
+turns), so `for_trl` gives the tokenizer that response template, and a template without a tools
+section (SmolLM2's drops the schemas) a tools section in the system message, as the project's own
+sampler renders it::
+
+    trainer = GRPOTrainer(model, processing_class=for_trl(AutoTokenizer.from_pretrained(model)), ...)
+
 What TRL cannot express, and how this adapter carries it:
 
 - The final answer. TRL ends a rollout at the first assistant message without tool calls and
@@ -27,19 +36,22 @@ What TRL cannot express, and how this adapter carries it:
 - Turn rewards (`envs.credit`). TRL's GRPO takes one reward per completion and has no per-turn or
   per-token advantage to put them in, so they stay on the instance (`.turn_rewards`) for logging;
   training on them needs `cgym train --credit turn`.
-- Per-task tools. TRL reads the tool methods once, from the class, and shows them to every
-  rollout: it has no way to give each row its own tools. `environment_factory` therefore reads
-  every task's tools (each task of the env's task list; for generated tasks, the first
-  `PROBE_SEEDS` seeds) and refuses an env whose tools differ between tasks
-  (`PerTaskToolsError`, naming two tasks and their tools), rather than train every row on one
-  row's tools. `per_task_tools="union"` opts in to showing every task's tools to every row; a call
-  to a tool the row's own task lacks is then the env's `unknown_tool` critique.
+- Per-task tools. TRL reads the tool methods once per class and shows them to every rollout of
+  that class; since 1.16 it also takes a dict of classes, picked per row by an `environment`
+  column. `environment_factories(env_id)` reads every task's tools (each task of the env's list;
+  for generated tasks the first `PROBE_SEEDS` seeds' episodes), makes one class per distinct
+  tool set, and `dataset` gives each row the `environment` of its task's set, so every rollout
+  sees exactly its own task's tools. `environment_factory` (one class) refuses an env whose
+  tasks differ (`PerTaskToolsError`, naming two tasks and their tools) rather than train every
+  row on one task's tools. A task outside the probed seeds with a set none of them had has no
+  class: `dataset` says so.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import json
 import keyword
 import operator
 import re
@@ -168,52 +180,48 @@ class CgymTrlEnv:
         self._turn_rewards = list(info.get("turn_rewards", []))
 
 
-def environment_factory(env_id: str, per_task_tools: Literal["refuse", "union"] = "refuse", **env_kwargs: Any) -> type[CgymTrlEnv]:
+def environment_factory(env_id: str, **env_kwargs: Any) -> type[CgymTrlEnv]:
     """The class to pass as `GRPOTrainer(environment_factory=...)`: one method per tool of `env_id`.
 
     `env_kwargs` go to `envs.make` for every instance (use the same as for `dataset`). An env whose
-    tasks have different tools raises `PerTaskToolsError` unless `per_task_tools="union"` (see the
-    module's notes).
+    tasks have different tools raises `PerTaskToolsError`: use `environment_factories`.
     """
-    if per_task_tools not in ("refuse", "union"):
-        raise ValueError(f"per_task_tools must be 'refuse' or 'union', got {per_task_tools!r}")
-    methods = {}
-    for schema in shared_tools(env_id, env_kwargs, union=per_task_tools == "union"):
-        method = tool_method(schema)
-        methods[method.__name__] = method
-    name = "Cgym" + "".join(part[:1].upper() + part[1:] for part in re.split(r"\W+", env_id.rsplit("/", 1)[-1]))
-    return type(name, (CgymTrlEnv,), {"env_id": env_id, "env_kwargs": dict(env_kwargs), **methods})
+    sets = tool_sets(env_id, env_kwargs)
+    if len(sets) > 1:
+        (one, first), (other, second) = list(sets.items())[:2]
+        raise PerTaskToolsError(
+            f"{env_id} gives its tasks different tools ({len(sets)} sets; e.g. {_names(first)} and {_names(second)}). "
+            "One TRL environment class shows one set of tool methods to every rollout, so every row would be trained with one task's tools. "
+            f"Pass environment_factory=environment_factories({env_id!r}, ...) (a class per tool set) with rows from dataset(...), "
+            "which name each row's class in their `environment` column."
+        )
+    return _env_class(env_id, env_kwargs, next(iter(sets.values())))
 
 
-def shared_tools(env_id: str, env_kwargs: Mapping[str, Any], *, union: bool = False) -> list[dict[str, Any]]:
-    """The one tool list every TRL rollout of `env_id` sees: the tools all its tasks share.
+def environment_factories(env_id: str, **env_kwargs: Any) -> dict[str, type[CgymTrlEnv]]:
+    """`GRPOTrainer(environment_factory=...)` for per-task tools: a class per distinct tool set, by name.
 
-    Raises `PerTaskToolsError` when tasks differ, unless `union` (then every task's tools, each
-    name once; a name whose schema differs between tasks is still refused).
+    TRL (>= 1.16) picks each row's class by the row's `environment` column, which `dataset`
+    writes; an env with fixed tools gets one class, named after its tools.
     """
+    return {name: _env_class(env_id, env_kwargs, tools, name) for name, tools in tool_sets(env_id, env_kwargs).items()}
+
+
+def tool_sets(env_id: str, env_kwargs: Mapping[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """Every distinct tool list among `env_id`'s tasks, named by its tools' names (`a+b`, then `a+b-2`, ...)."""
     env = make(env_id, **env_kwargs)
     try:
         by_task = _tools_by_task(env.unwrapped)
     finally:
         env.close()
-    merged: dict[str, dict[str, Any]] = {}
-    first_of: dict[str, str] = {}
-    first_task, first_tools = next(iter(by_task.items()))
-    for task_id, tools in by_task.items():
-        if not union and tools != first_tools:
-            raise PerTaskToolsError(
-                f"{env_id} gives its tasks different tools (task {first_task!r}: {_names(first_tools)}; task {task_id!r}: {_names(tools)}). "
-                "TRL's environment_factory shows one class's tool methods to every rollout, so every row would be trained with one task's tools. "
-                "Train it with `cgym train`, or pass per_task_tools='union' to show every task's tools to every row "
-                "(a call to a tool the row's task lacks is then an unknown_tool critique)."
-            )
-        for schema in tools:
-            name = schema.get("function", schema)["name"]
-            if name in merged and merged[name] != schema:
-                raise PerTaskToolsError(f"{env_id}: tasks {first_of[name]!r} and {task_id!r} both offer a tool {name!r}, with different schemas; one TRL method cannot be both")
-            merged.setdefault(name, schema)
-            first_of.setdefault(name, task_id)
-    return list(merged.values())
+    sets: dict[str, list[dict[str, Any]]] = {}
+    for tools in by_task.values():
+        if tools not in sets.values():
+            base = name = "+".join(_names(tools)) or "no-tools"
+            while name in sets:
+                name = f"{base}-{len([n for n in sets if n == base or n.startswith(base + '-')]) + 1}"
+            sets[name] = tools
+    return sets
 
 
 def _tools_by_task(env: AgentEnv) -> dict[str, list[dict[str, Any]]]:
@@ -230,6 +238,15 @@ def _tools_by_task(env: AgentEnv) -> dict[str, list[dict[str, Any]]]:
             found.setdefault(str(info["task_id"] if info["task_id"] is not None else seed), info["tools"])
         return found
     return {str(getattr(task, "id", i)): [tool.schema for tool in env.tools_for(task)] for i, task in enumerate(tasks)}
+
+
+def _env_class(env_id: str, env_kwargs: Mapping[str, Any], tools: Sequence[Mapping[str, Any]], suffix: str = "") -> type[CgymTrlEnv]:
+    methods = {}
+    for schema in tools:
+        method = tool_method(schema)
+        methods[method.__name__] = method
+    name = "Cgym" + "".join(part[:1].upper() + part[1:] for part in re.split(r"\W+", f"{env_id.rsplit('/', 1)[-1]} {suffix}") if part)
+    return type(name, (CgymTrlEnv,), {"env_id": env_id, "env_kwargs": dict(env_kwargs), **methods})
 
 
 def _names(tools: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -281,24 +298,99 @@ def type_hint(schema: Mapping[str, Any]) -> Any:
     return Any
 
 
+CHATML_TURN = "<|im_start|>assistant\n"
+
+
+def for_trl(tokenizer: Any) -> Any:
+    """`tokenizer`, ready for TRL's tool loop: a response template for Hermes calls in ChatML turns,
+    and a tools section in the system message if its chat template has none. Returns it.
+
+    Raises `UnsupportedTemplateError` for a template that does not open assistant turns with
+    ChatML's `<|im_start|>assistant` (set `response_template` by hand there); a tokenizer that
+    already has a response template is left as it is.
+    """
+    from cgym.agents.ledger import end_of_turn_token, template_renders_tools
+
+    if getattr(tokenizer, "response_template", None) is not None or getattr(tokenizer, "response_schema", None) is not None:
+        return tokenizer
+    opened = tokenizer.apply_chat_template([{"role": "user", "content": "u"}], add_generation_prompt=True, tokenize=False)
+    end = end_of_turn_token(tokenizer)
+    if not opened.endswith(CHATML_TURN) or end != "<|im_end|>":
+        raise UnsupportedTemplateError(
+            f"for_trl knows chat templates with ChatML turns (<|im_start|>assistant ... <|im_end|>); this one opens the assistant turn with "
+            f"{opened[-40:]!r} and ends it with {end!r}. Set tokenizer.response_template for it (see transformers' chat parsing docs)."
+        )
+    if not template_renders_tools(tokenizer):
+        tokenizer.chat_template = _tools_in_system_template() + tokenizer.chat_template
+    tokenizer.response_template = hermes_response_template()
+    return tokenizer
+
+
+def hermes_response_template() -> dict[str, Any]:
+    """transformers' `response_template` for a ChatML assistant turn: text, then `<tool_call>` JSON blocks."""
+    return {
+        "defaults": {"role": "assistant"},
+        "start_anchor": CHATML_TURN,
+        "fields": {
+            "tool_calls": {
+                "open": "<tool_call>",
+                "close_pattern": r"</tool_call>\s*",
+                "repeats": True,
+                "content": "json",
+                "transform": {"type": "function", "function": "{content}"},
+            },
+            "content": {"close_pattern": r"<\|im_end\|>\s*", "content": "text"},
+        },
+    }
+
+
+def _tools_in_system_template() -> str:
+    """A Jinja prelude that moves `tools` into the system message in the layout of `agents.ledger.tools_block`."""
+    from cgym.agents.ledger import TOOLS_PREAMBLE, TOOLS_USAGE
+
+    return (
+        "{%- if tools -%}"
+        f"{{%- set cgym_block = {json.dumps(TOOLS_PREAMBLE)} + (tools | map('tojson') | join('\\n')) + {json.dumps(TOOLS_USAGE)} -%}}"
+        "{%- if messages and messages[0]['role'] == 'system' -%}"
+        "{%- set messages = [{'role': 'system', 'content': (messages[0]['content'] or '') + '\\n\\n' + cgym_block}] + messages[1:] -%}"
+        "{%- else -%}{%- set messages = [{'role': 'system', 'content': cgym_block}] + messages -%}{%- endif -%}"
+        "{%- endif -%}"
+    )
+
+
+class UnsupportedTemplateError(CgymError, ValueError):
+    """A chat template whose turns `for_trl` cannot describe to TRL."""
+
+
 def dataset(env_id: str, n: int, split: str = "train", *, seed: int = 0, **env_kwargs: Any) -> Any:
     """`n` rows for `GRPOTrainer`: `seed` (seed, seed+1, ...) and a `prompt` holding the episode's system message.
 
     The task prompt itself comes from `reset`, which TRL appends to the (empty) user message.
-    `split` goes to envs that take one; pass the same kwargs to `environment_factory`.
+    `split` goes to envs that take one; pass the same kwargs to `environment_factory`. For an env
+    with per-task tools each row also names its class in `environment` (see `environment_factories`).
     """
     from datasets import Dataset
 
     if takes_kwarg(env_id, "split"):
         env_kwargs = {"split": split, **env_kwargs}
+    sets = tool_sets(env_id, env_kwargs)
     env = make(env_id, **env_kwargs)
-    rows: dict[str, list[Any]] = {"prompt": [], "seed": []}
+    rows: dict[str, list[Any]] = {"prompt": [], "seed": []} | ({"environment": []} if len(sets) > 1 else {})
     for s in range(seed, seed + n):
         _, info = env.reset(seed=s)
         rows["prompt"].append([info["messages"][0], {"role": "user", "content": ""}])
         rows["seed"].append(s)
+        if len(sets) > 1:
+            rows["environment"].append(_set_of(sets, info["tools"], env_id, s))
     env.close()
     return Dataset.from_dict(rows)
+
+
+def _set_of(sets: Mapping[str, list[dict[str, Any]]], tools: list[dict[str, Any]], env_id: str, seed: int) -> str:
+    for name, known in sets.items():
+        if known == tools:
+            return name
+    raise PerTaskToolsError(f"{env_id}: the task of seed {seed} offers {_names(tools)}, a tool set none of the probed tasks had (probed: {list(sets)})")
 
 
 def env_reward(

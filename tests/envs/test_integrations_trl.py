@@ -205,14 +205,13 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.parametrize(("env_id", "kwargs"), [(API, EASY), ("cgymtest/Letters-v0", {})], ids=["api-report", "letters"])
 def test_grpo_trainer_logs_the_envs_rewards(env_id: str, kwargs: dict[str, Any], tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
+    from cgym.envs.integrations.trl import for_trl
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
-    from trl.chat_template_utils import qwen3_template
 
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
     monkeypatch.setitem(gym.registry, "cgymtest/Letters-v0", gym.envs.registration.EnvSpec("cgymtest/Letters-v0", entry_point=LettersEnv))
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
-    tokenizer.response_template = qwen3_template  # the embedded template writes Qwen/Hermes tool calls
+    tokenizer = for_trl(AutoTokenizer.from_pretrained(tiny_model))  # the tiny model as `cgym tiny` ships it
     model = AutoModelForCausalLM.from_pretrained(tiny_model)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     config = GRPOConfig(
@@ -307,18 +306,98 @@ def per_task_env() -> Any:
     gym.registry.pop("test/PerTaskTools-v0")
 
 
-def test_an_env_whose_tasks_have_different_tools_is_refused_loudly(per_task_env: str) -> None:
+def test_one_class_for_an_env_whose_tasks_have_different_tools_is_refused_loudly(per_task_env: str) -> None:
     from cgym.envs.integrations.trl import PerTaskToolsError
 
-    with pytest.raises(PerTaskToolsError, match=r"task 'sum': \['add_numbers'\]; task 'product': \['multiply_numbers'\].*per_task_tools='union'"):
+    with pytest.raises(PerTaskToolsError, match=r"\['add_numbers'\] and \['multiply_numbers'\].*environment_factories"):
         environment_factory(per_task_env)
-    assert {"add_numbers"} <= set(vars(environment_factory(per_task_env, same=True)))  # tools_for overridden, tools alike: fine
+    assert "add_numbers" in vars(environment_factory(per_task_env, same=True))  # tools_for overridden, tools alike: fine
 
 
-def test_the_union_shows_every_tasks_tools_and_the_env_still_refuses_a_foreign_one(per_task_env: str) -> None:
-    cls = environment_factory(per_task_env, per_task_tools="union")
-    env = cls()
-    env.reset(task_id="sum")
-    assert env.add_numbers(a=2, b=3) == "5"
-    reply = env.multiply_numbers(a=2, b=3)  # the row's task offers no mul
-    assert "unknown_tool" in reply and [c["code"] for c in env.critiques] == ["unknown_tool"]
+def test_per_task_tools_get_a_class_per_tool_set_and_rows_that_name_it(per_task_env: str) -> None:
+    from cgym.envs.integrations.trl import environment_factories
+
+    classes = environment_factories(per_task_env)
+    assert set(classes) == {"add_numbers", "multiply_numbers"}
+    assert "multiply_numbers" not in vars(classes["add_numbers"]) and "add_numbers" not in vars(classes["multiply_numbers"])
+    rows = dataset(per_task_env, 4)
+    assert rows["environment"] == ["add_numbers", "multiply_numbers"] * 2  # the walk: seed s is task s % 2
+    for row in rows:
+        env = classes[row["environment"]]()
+        env.reset(seed=row["seed"])
+        tool = getattr(env, row["environment"])
+        assert tool(a=2, b=3) in ("5", "6") and env.critiques == []  # each row's class holds its own task's tool
+    assert "environment" not in dataset(per_task_env, 2, same=True).column_names
+    assert list(environment_factories(per_task_env, same=True)) == ["add_numbers"]
+
+
+def test_trl_routes_each_row_to_its_tool_sets_class(per_task_env: str, tiny_model: Path, tmp_path: Path) -> None:
+    """GRPOTrainer with the dict: TRL renders each row's prompt with that row's tools only."""
+    from cgym.envs.integrations.trl import environment_factories, for_trl
+    from transformers import AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    config = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=2, max_completion_length=8, max_steps=1, report_to=[], use_cpu=True, logging_steps=1)
+    tokenizer = for_trl(AutoTokenizer.from_pretrained(tiny_model))
+    trainer = GRPOTrainer(
+        model=str(tiny_model), processing_class=tokenizer, reward_funcs=env_reward, train_dataset=dataset(per_task_env, 4),
+        environment_factory=environment_factories(per_task_env), args=config,
+    )  # fmt: skip
+    assert {name: [t.__name__ for t in tools] for name, tools in trainer._env_tools.items()} == {"add_numbers": ["add_numbers"], "multiply_numbers": ["multiply_numbers"]}
+
+
+def test_trl_refuses_the_tiny_model_as_shipped_and_for_trl_fixes_it(tiny_model: Path, tmp_path: Path) -> None:
+    from cgym.envs.integrations.trl import for_trl
+    from transformers import AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    config = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=2, max_completion_length=8, max_steps=1, report_to=[], use_cpu=True)
+    rows, factory = dataset(API, 2, difficulty="easy"), environment_factory(API, **EASY)
+    with pytest.raises(ValueError, match="Unrecognized chat template"):
+        GRPOTrainer(model=str(tiny_model), reward_funcs=env_reward, train_dataset=rows, environment_factory=factory, args=config)
+    tokenizer = for_trl(AutoTokenizer.from_pretrained(tiny_model))
+    GRPOTrainer(model=str(tiny_model), processing_class=tokenizer, reward_funcs=env_reward, train_dataset=rows, environment_factory=factory, args=config)
+
+
+def _check_for_trl(tokenizer: Any) -> None:
+    """TRL's view of a turn matches critique-gym's: the same prompt text, and calls parsed as the env parses them."""
+    from cgym.agents.ledger import ChatEncoder
+    from cgym.envs.integrations.trl import for_trl
+
+    _, info = envs.make(API, difficulty="easy").reset(seed=0)
+    messages, tools = info["messages"], info["tools"]
+    ours = ChatEncoder(tokenizer).render(messages, tools, generation_prompt=True)  # what the project's sampler shows the model
+    for_trl(tokenizer)
+    assert tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True) == ours
+    prefix = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    text = 'Looking it up.\n<tool_call>\n{"name": "get_orders", "arguments": {"customer_id": 7, "page": 1}}\n</tool_call><|im_end|>'
+    parsed = tokenizer.parse_response(text, prefix=prefix)
+    expected = parse_turn(text.removesuffix("<|im_end|>"))
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in parsed["tool_calls"]] == [(c.name, c.arguments) for c in expected.calls]
+    assert parsed["content"] == "Looking it up." and tokenizer.parse_response("Done: 42.<|im_end|>", prefix=prefix) == {"role": "assistant", "content": "Done: 42."}
+
+
+def test_for_trl_on_the_tiny_model(tiny_model: Path) -> None:
+    from transformers import AutoTokenizer
+
+    _check_for_trl(AutoTokenizer.from_pretrained(tiny_model))
+
+
+def test_for_trl_on_smollm2(tmp_path: Path) -> None:
+    import cgym.agents.pretrained as pretrained
+    from transformers import AutoTokenizer
+
+    real = pretrained.cache_root() / "models" / pretrained.DEFAULT_MODEL
+    if not pretrained.is_complete(real):
+        pytest.skip("the real SmolLM2 model is not in the cache (cgym model fetch smollm2-135m)")
+    _check_for_trl(AutoTokenizer.from_pretrained(real))
+
+
+def test_for_trl_refuses_a_template_it_cannot_describe(tiny_model: Path) -> None:
+    from cgym.envs.integrations.trl import UnsupportedTemplateError, for_trl
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    tokenizer.chat_template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}"
+    with pytest.raises(UnsupportedTemplateError, match="ChatML"):
+        for_trl(tokenizer)
