@@ -168,6 +168,7 @@ class ServedEnv(Environment[TurnAction, TurnObservation, State]):
         self._turn = 0
 
     def reset(self, seed: int | None = None, episode_id: str | None = None, options: dict[str, Any] | None = None, split: str | None = None) -> TurnObservation:
+        _check_reset(seed, options, split)
         if split is not None and split != self._kwargs.get("split") and takes_kwarg(self.env_id, "split"):
             self._env.close()
             self._kwargs["split"] = split
@@ -207,6 +208,22 @@ class ServedEnv(Environment[TurnAction, TurnObservation, State]):
         messages = info["messages"][self._sent :]
         self._sent = len(info["messages"])
         return TurnObservation(text=text, messages=messages, task_id=info["task_id"], turn=info["turn"], critique=_jsonable(info["critique"]), turn_reward=info.get("turn_reward", 0.0), **fields)
+
+
+def _check_reset(seed: Any, options: Any, split: Any) -> None:
+    """A client's reset arguments, refused in its own terms (the env would name Python types)."""
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
+        raise ValueError(f"reset: 'seed' must be a non-negative integer or null, got {_json_kind(seed)}{f' ({seed})' if isinstance(seed, int) else ''}")
+    if options is not None and not isinstance(options, dict):
+        raise ValueError(f"reset: 'options' must be a JSON object or null, got {_json_kind(options)}")
+    if split is not None and not isinstance(split, str):
+        raise ValueError(f"reset: 'split' must be a string or null, got {_json_kind(split)}")
+
+
+def _json_kind(value: Any) -> str:
+    """What a decoded JSON value was, in JSON's words."""
+    kinds = ((bool, "a boolean"), (int, "an integer"), (float, "a number"), (str, "a string"), (list, "an array"), (dict, "an object"))
+    return next((name for kind, name in kinds if isinstance(value, kind)), "null" if value is None else "a value")
 
 
 DEFAULT_SESSION_TIMEOUT_S = 300.0

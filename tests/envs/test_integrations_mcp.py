@@ -22,6 +22,8 @@ from cgym.agents.eval.episodes import EpisodeResult, run_episodes
 from cgym.agents.scripted import ScriptedPolicy
 from cgym.envs.integrations.mcp import ANSWER_TOOL, RESULT_URI, TASK_PROMPT
 from cgym.envs.toolcall import parse_turn
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from mcp import ClientSession, StdioServerParameters, stdio_client
 
 from cgym import envs
@@ -144,3 +146,78 @@ def test_a_bad_prompt_or_resource_name_is_an_invalid_params_error() -> None:
 
     for error in with_session({"difficulty": "easy"}, play):
         assert error.error.code == -32602 and "this server has" in error.error.message
+
+
+class StdioServer:
+    """`cgym serve --mcp` as a child process, read by a thread: send lines, collect the replies."""
+
+    def __init__(self) -> None:
+        import itertools
+        import queue
+        import subprocess
+        import threading
+
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "cgym", "serve", ENV, "--mcp"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, encoding="utf-8", cwd=ROOT,
+        )  # fmt: skip
+        self.replies: queue.Queue[str] = queue.Queue()
+        self.ids = itertools.count(1000)
+        threading.Thread(target=lambda: [self.replies.put(line) for line in self.process.stdout], daemon=True).start()  # type: ignore[union-attr]
+
+    def send(self, lines: list[str]) -> list[dict[str, Any]]:
+        """Write `lines` and a closing ping; every reply up to the ping's (the server answers in order)."""
+        ping = next(self.ids)
+        assert self.process.stdin is not None
+        self.process.stdin.write("".join(line + "\n" for line in [*lines, json.dumps({"jsonrpc": "2.0", "id": ping, "method": "ping"})]))
+        self.process.stdin.flush()
+        got: list[dict[str, Any]] = []
+        while not got or got[-1].get("id") != ping:
+            got.append(json.loads(self.replies.get(timeout=60)))  # a missing reply fails here instead of hanging
+        return got[:-1]
+
+
+@pytest.fixture(scope="module")
+def stdio_server() -> Any:
+    server = StdioServer()
+    init = {"protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "fuzz", "version": "0"}}
+    assert "result" in server.send([json.dumps({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": init})])[0]
+    server.send([json.dumps({"jsonrpc": "2.0", "method": "notifications/initialized"})])
+    yield server
+    server.process.stdin.close()  # type: ignore[union-attr]
+    server.process.wait(timeout=30)
+    assert "Traceback" not in server.process.stderr.read()  # type: ignore[union-attr]
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=10,
+)
+_ONE_LINE = st.characters(blacklist_categories=("Cs",), blacklist_characters="\r\n")
+_GARBAGE = st.one_of(  # lines that are no JSON-RPC 2.0 message
+    st.text(_ONE_LINE, max_size=200).filter(lambda t: not t.lstrip().startswith("{")),
+    st.lists(_JSON, max_size=3).map(json.dumps),  # a batch, or an empty one
+    st.dictionaries(st.text(max_size=8).filter(lambda k: k != "jsonrpc"), _JSON, max_size=4).map(json.dumps),
+)
+_METHOD = st.sampled_from(["ping", "tools/list", "tools/call", "prompts/list", "prompts/get", "resources/list", "resources/read"]) | st.text(_ONE_LINE, max_size=20)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(lines=st.lists(st.one_of(_GARBAGE.map(lambda g: ("bad", g)), st.tuples(_METHOD, st.none() | st.dictionaries(st.text(max_size=8), _JSON, max_size=3))), max_size=6))
+def test_fuzzed_lines_each_get_one_reply_and_the_server_lives(stdio_server: StdioServer, lines: list[tuple[Any, Any]]) -> None:
+    """A Hypothesis fuzz of the stdio handler: every unreadable line gets a JSON-RPC error (id null),
+    every request a reply with its id, none of them Python internals, and the server answers after."""
+    sent, asked = [], []
+    for method, params in lines:
+        if method == "bad":
+            sent.append(params)
+            continue
+        asked.append(next(stdio_server.ids))
+        sent.append(json.dumps({"jsonrpc": "2.0", "id": asked[-1], "method": method} | ({"params": params} if params is not None else {})))
+    replies = stdio_server.send(sent)
+    assert sorted(r["id"] for r in replies if r.get("id") is not None) == asked
+    assert sum(r.get("id") is None and "error" in r for r in replies) == len(sent) - len(asked)
+    for reply in replies:
+        message = reply.get("error", {}).get("message", "")
+        assert not any(internal in message for internal in ("Traceback", "object has no attribute", "<class ")), message

@@ -29,6 +29,8 @@ from cgym.envs.errors import InvalidEnvKwargError
 from cgym.envs.integrations.openenv import REMOTE_ENV_ID, RemoteEnvError, build_app
 from cgym.envs.registration import takes_kwarg
 from gymnasium.utils.env_checker import check_env
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 
@@ -280,8 +282,11 @@ def test_turn_rewards_cross_the_wire(served: Served) -> None:
         ('{"type": "reset", "data": "x"}', "'data' must be a JSON object"),
         ('{"type": 7}', "'type' must be a string"),
         ('{"type": "reset", "data": ' + "[" * 5000 + "]" * 5000 + "}", "not valid JSON"),
+        ('{"type": "reset", "data": {"seed": "abc"}}', "'seed' must be a non-negative integer or null, got a string"),
+        ('{"type": "reset", "data": {"seed": -3}}', "got an integer (-3)"),
+        ('{"type": "reset", "data": {"options": [1]}}', "'options' must be a JSON object or null, got an array"),
     ],
-    ids=["scalar", "list", "not-json", "data-not-object", "type-not-string", "nested-deeply"],
+    ids=["scalar", "list", "not-json", "data-not-object", "type-not-string", "nested-deeply", "seed-string", "seed-negative", "options-array"],
 )
 def test_a_malformed_frame_is_answered_by_name_and_the_session_goes_on(served: Served, frame: str, said: str) -> None:
     with connect(served.url.replace("http://", "ws://") + "/ws") as ws:
@@ -307,3 +312,40 @@ def test_an_episode_crosses_the_wire_with_every_critique_of_each_turn() -> None:
     for step in old_wire["steps"]:
         del step["critiques"]  # a server from before the list: its one critique still arrives
     assert episode_from_dict(old_wire).steps[0].critiques == two[:1]
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=30),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4),
+    max_leaves=12,
+)
+_TYPE = st.sampled_from(["reset", "step", "state", "mcp"]) | st.text(max_size=10)
+_FRAME = st.one_of(
+    st.text(max_size=300),  # any text at all
+    _JSON.map(json.dumps),  # any JSON value
+    st.builds(lambda kind, data: json.dumps({"type": kind, "data": data}), _TYPE, _JSON),  # OpenEnv's shape, any data
+    st.builds(lambda text: json.dumps({"type": "step", "data": {"text": text}}), st.text(max_size=300)),  # any turn
+    st.builds(lambda seed, options: json.dumps({"type": "reset", "data": {"seed": seed, "options": options}}), _JSON, _JSON),
+    st.builds(  # OpenEnv's MCP-over-WebSocket messages, the session routes included
+        lambda method, params: json.dumps({"type": "mcp", "data": {"jsonrpc": "2.0", "id": 1, "method": method, "params": params}}),
+        st.sampled_from(["openenv/session/create", "tools/list", "tools/call"]) | st.text(max_size=12),
+        _JSON,
+    ),
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture], derandomize=True)
+@given(frames=st.lists(_FRAME, min_size=1, max_size=6))
+def test_fuzzed_frames_are_each_answered_and_leave_no_session_behind(served: Served, frames: list[str]) -> None:
+    """A Hypothesis fuzz of the WebSocket handler: every frame gets one well-formed reply that names
+    no Python internals, the server stays up, and a dropped client's session is freed."""
+    assume(not any('"close"' in frame for frame in frames))  # `close` is answered by closing
+    with connect(served.url.replace("http://", "ws://") + "/ws", max_size=None) as ws:
+        for frame in frames:
+            ws.send(frame)
+            reply = json.loads(ws.recv(timeout=30))
+            assert reply["type"] in ("observation", "state", "mcp", "error"), reply
+            message = str(reply.get("data", {}).get("message", "")) if reply["type"] == "error" else ""
+            assert not any(internal in message for internal in ("Traceback", "object has no attribute", "<class ", "Error:")), message
+    assert served.sessions_become(0) == 0
+    assert httpx.get(served.url + "/health", timeout=10).status_code == 200
