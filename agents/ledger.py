@@ -18,11 +18,11 @@ newline the template puts after it comes with the next env delta).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from typing import Any
 
 from cgym.agents.base import Conversation, Message
+from cgym.agents.tool_prompt import ToolLayout, tool_layout, tools_block
 from transformers import PreTrainedTokenizerBase
 
 END_OF_TURN = "<|im_end|>"
@@ -40,6 +40,7 @@ class ChatEncoder:
         self.end_of_turn = end_of_turn or end_of_turn_token(tokenizer)
         self.end_of_turn_id = _single_token_id(tokenizer, self.end_of_turn)
         self.tools_in_system = not template_renders_tools(tokenizer)
+        self.tool_layout = tool_layout(tokenizer)
 
     # -- rendering -------------------------------------------------------------------------
     def render(
@@ -48,10 +49,11 @@ class ChatEncoder:
         """The chat template's text for `messages` (tools passed only when there are any).
 
         A template without a tools section (SmolLM2's) would drop the schemas silently, so they
-        go into the system message instead, in the Hermes/Qwen layout (`with_tools_in_system`).
+        go into the system message instead, in the layout the model was trained with
+        (`agents.tool_prompt`: Hermes/Qwen's JSON schemas, or compact signatures).
         """
         if self.tools_in_system and tools:
-            messages, tools = with_tools_in_system(messages, tools), ()
+            messages, tools = with_tools_in_system(messages, tools, self.tool_layout), ()
         return self.tokenizer.apply_chat_template(
             list(messages),
             tools=list(tools) or None,
@@ -171,24 +173,9 @@ class ChatEncoder:
         return text[: cut + len(self.end_of_turn)]
 
 
-TOOLS_PREAMBLE = (
-    "# Tools\n\nYou can call the functions whose JSON schemas are listed inside <tools></tools>:\n<tools>\n"
-)
-TOOLS_USAGE = (
-    "\n</tools>\n\nTo call a function, reply with a JSON object holding its name and arguments "
-    "inside <tool_call></tool_call> tags (one block per call):\n"
-    '<tool_call>\n{"name": "<function-name>", "arguments": {<arguments as JSON>}}\n</tool_call>'
-)
-
-
-def tools_block(tools: Sequence[dict[str, Any]]) -> str:
-    """The Hermes/Qwen tools section: one schema per line inside <tools></tools>, then how to call."""
-    return TOOLS_PREAMBLE + "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools) + TOOLS_USAGE
-
-
-def with_tools_in_system(messages: Sequence[Message], tools: Sequence[dict[str, Any]]) -> list[Message]:
-    """`messages` with the tools section appended to the system message (or as a new one)."""
-    block = tools_block(tools)
+def with_tools_in_system(messages: Sequence[Message], tools: Sequence[dict[str, Any]], layout: ToolLayout = "json") -> list[Message]:
+    """`messages` with the tools section (`agents.tool_prompt`) appended to the system message (or as a new one)."""
+    block = tools_block(tools, layout)
     if messages and messages[0].get("role") == "system":
         return [{**messages[0], "content": f"{messages[0].get('content') or ''}\n\n{block}"}, *messages[1:]]
     return [{"role": "system", "content": block}, *messages]

@@ -21,6 +21,7 @@ from rich.markup import escape
 from cgym import commands
 from cgym.agents.eval.evaluate import EvalConfig
 from cgym.agents.options import SamplingOptions
+from cgym.agents.tool_prompt import TOOL_LAYOUTS
 from cgym.commands import UsageError, err_console
 from cgym.envs.errors import CgymError
 from cgym.options import COUNT, NATURAL, NON_NEGATIVE, POSITIVE, SHARE, TOP_P, add_config_options, bounded, field_docs, json_object
@@ -150,6 +151,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=POSITIVE, default=5e-5, help="AdamW learning rate (5e-5 suits SmolLM2; the tiny model trains at 3e-3)")
     p.add_argument("--time-budget", type=NON_NEGATIVE, default=0.0, help="seconds (0: no limit)")
     p.add_argument("--seed", type=NATURAL, default=0)
+    p.add_argument(
+        "--tool-layout", choices=TOOL_LAYOUTS, default=None,
+        help="how tools are shown to a model whose chat template has no tools section (SmolLM2's): json schemas, or compact "
+        "signatures in about a third of the tokens; the saved model keeps it (default: the start model's, json)",
+    )  # fmt: skip
     p.set_defaults(func=commands.cmd_sft)
 
     p = sub.add_parser("train", help="GRPO / Critique-GRPO on an env's train split (torchrun: one process per rank)")

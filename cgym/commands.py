@@ -215,7 +215,7 @@ def cmd_sft(args: argparse.Namespace) -> int:
     if args.refinements:
         demos += refinement_demos(args.env, args.env_kwargs, episodes=args.refinements, seed=args.seed + 1)
     _prepare(args.model)
-    stats = sft(args.model.removeprefix("hf:"), demos, args.out, epochs=args.epochs, lr=args.lr, time_budget_s=args.time_budget or None, seed=args.seed)
+    stats = sft(args.model.removeprefix("hf:"), demos, args.out, epochs=args.epochs, lr=args.lr, time_budget_s=args.time_budget or None, seed=args.seed, tool_layout=args.tool_layout)
     console.print_json(data=stats)
     console.print(f"warm-started model saved to [bold]{args.out}[/bold]; load it with --policy hf:{args.out}")
     return 0

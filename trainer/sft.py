@@ -22,6 +22,7 @@ from cgym.agents.local.hf import load_pretrained, load_tokenizer
 from cgym.agents.local.precision import autocast
 from cgym.agents.local.sampling import sequence_logprobs
 from cgym.agents.pretrained import resolve_model
+from cgym.agents.tool_prompt import ToolLayout, set_tool_layout
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -50,6 +51,7 @@ def sft(
     seed: int = 0,
     progress: bool = True,
     all_tokens: bool = False,
+    tool_layout: ToolLayout | None = None,
 ) -> dict[str, float]:
     """Fine-tune the model in `model_dir_in` on `demos` and save model + tokenizer to `out_dir`.
 
@@ -59,11 +61,15 @@ def sft(
     rate. Returns `steps`, `final_loss` (mean over the last 10% of steps), `first_loss`, `tokens`
     (all tokens seen), `loss_tokens` (assistant tokens seen) and `seconds`. `all_tokens` puts the
     loss on every token instead (language-model pre-training on whole transcripts).
+    `tool_layout` sets how tools are shown to a model whose template has no tools section
+    (`agents.tool_prompt`; None: the start model's), and the saved model keeps it.
     """
     if max_len < 2:
         raise ValueError(f"need max_len >= 2, got {max_len}")
     model_dir_in = resolve_model(model_dir_in)
     tokenizer = load_tokenizer(model_dir_in)
+    if tool_layout is not None:
+        set_tool_layout(tokenizer, tool_layout)
     examples = encode_demos(ChatEncoder(tokenizer), demos, max_len)
     if all_tokens:
         examples = [(ids, [1] * len(ids)) for ids, _ in examples]
@@ -77,6 +83,7 @@ def sft(
         time_budget_s=time_budget_s,
         seed=seed,
         progress=progress,
+        tool_layout=tool_layout,
     )
 
 
@@ -92,6 +99,7 @@ def fit(
     seed: int = 0,
     progress: bool = True,
     label: str = "sft",
+    tool_layout: ToolLayout | None = None,
 ) -> dict[str, float]:
     """Train on ready `(ids, loss mask)` examples (SFT's engine; also `cgym tiny`'s drills)
     and save model + tokenizer to `out_dir`. Options and returned stats as in `sft`."""
@@ -122,6 +130,8 @@ def fit(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
+    if tool_layout is not None:
+        set_tool_layout(tokenizer, tool_layout)
     tokenizer.save_pretrained(out)
     return stats
 

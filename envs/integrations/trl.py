@@ -10,12 +10,8 @@ rows `reset` understands; `env_reward` is the reward function::
     trainer = GRPOTrainer(model, reward_funcs=env_reward, train_dataset=dataset("cgym/ApiReport-v0", 64),
                           environment_factory=environment_factory("cgym/ApiReport-v0"), args=config)
 
-`for_trl(tokenizer)` readies the project's own models for TRL: TRL knows the response formats
-of a list of chat templates and refuses the rest (SmolLM2's, the embedded tiny model's). Both
-write calls the way critique-gym renders and parses them (Hermes `<tool_call>` blocks in ChatML
-turns), so `for_trl` gives the tokenizer that response template, and a template without a tools
-section (SmolLM2's drops the schemas) a tools section in the system message, as the project's own
-sampler renders it::
+The project's own models (SmolLM2, the embedded tiny model) need their tokenizer readied for TRL,
+which refuses chat templates it does not know: `cgym.agents.local.trl_template.for_trl`::
 
     trainer = GRPOTrainer(model, processing_class=for_trl(AutoTokenizer.from_pretrained(model)), ...)
 
@@ -51,7 +47,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import json
 import keyword
 import operator
 import re
@@ -296,70 +291,6 @@ def type_hint(schema: Mapping[str, Any]) -> Any:
     if options:
         return functools.reduce(operator.or_, [type_hint(o) for o in options])
     return Any
-
-
-CHATML_TURN = "<|im_start|>assistant\n"
-
-
-def for_trl(tokenizer: Any) -> Any:
-    """`tokenizer`, ready for TRL's tool loop: a response template for Hermes calls in ChatML turns,
-    and a tools section in the system message if its chat template has none. Returns it.
-
-    Raises `UnsupportedTemplateError` for a template that does not open assistant turns with
-    ChatML's `<|im_start|>assistant` (set `response_template` by hand there); a tokenizer that
-    already has a response template is left as it is.
-    """
-    from cgym.agents.ledger import end_of_turn_token, template_renders_tools
-
-    if getattr(tokenizer, "response_template", None) is not None or getattr(tokenizer, "response_schema", None) is not None:
-        return tokenizer
-    opened = tokenizer.apply_chat_template([{"role": "user", "content": "u"}], add_generation_prompt=True, tokenize=False)
-    end = end_of_turn_token(tokenizer)
-    if not opened.endswith(CHATML_TURN) or end != "<|im_end|>":
-        raise UnsupportedTemplateError(
-            f"for_trl knows chat templates with ChatML turns (<|im_start|>assistant ... <|im_end|>); this one opens the assistant turn with "
-            f"{opened[-40:]!r} and ends it with {end!r}. Set tokenizer.response_template for it (see transformers' chat parsing docs)."
-        )
-    if not template_renders_tools(tokenizer):
-        tokenizer.chat_template = _tools_in_system_template() + tokenizer.chat_template
-    tokenizer.response_template = hermes_response_template()
-    return tokenizer
-
-
-def hermes_response_template() -> dict[str, Any]:
-    """transformers' `response_template` for a ChatML assistant turn: text, then `<tool_call>` JSON blocks."""
-    return {
-        "defaults": {"role": "assistant"},
-        "start_anchor": CHATML_TURN,
-        "fields": {
-            "tool_calls": {
-                "open": "<tool_call>",
-                "close_pattern": r"</tool_call>\s*",
-                "repeats": True,
-                "content": "json",
-                "transform": {"type": "function", "function": "{content}"},
-            },
-            "content": {"close_pattern": r"<\|im_end\|>\s*", "content": "text"},
-        },
-    }
-
-
-def _tools_in_system_template() -> str:
-    """A Jinja prelude that moves `tools` into the system message in the layout of `agents.ledger.tools_block`."""
-    from cgym.agents.ledger import TOOLS_PREAMBLE, TOOLS_USAGE
-
-    return (
-        "{%- if tools -%}"
-        f"{{%- set cgym_block = {json.dumps(TOOLS_PREAMBLE)} + (tools | map('tojson') | join('\\n')) + {json.dumps(TOOLS_USAGE)} -%}}"
-        "{%- if messages and messages[0]['role'] == 'system' -%}"
-        "{%- set messages = [{'role': 'system', 'content': (messages[0]['content'] or '') + '\\n\\n' + cgym_block}] + messages[1:] -%}"
-        "{%- else -%}{%- set messages = [{'role': 'system', 'content': cgym_block}] + messages -%}{%- endif -%}"
-        "{%- endif -%}"
-    )
-
-
-class UnsupportedTemplateError(CgymError, ValueError):
-    """A chat template whose turns `for_trl` cannot describe to TRL."""
 
 
 def dataset(env_id: str, n: int, split: str = "train", *, seed: int = 0, **env_kwargs: Any) -> Any:

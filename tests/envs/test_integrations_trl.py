@@ -205,7 +205,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.parametrize(("env_id", "kwargs"), [(API, EASY), ("cgymtest/Letters-v0", {})], ids=["api-report", "letters"])
 def test_grpo_trainer_logs_the_envs_rewards(env_id: str, kwargs: dict[str, Any], tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
-    from cgym.envs.integrations.trl import for_trl
+    from cgym.agents.local.trl_template import for_trl
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
@@ -333,7 +333,8 @@ def test_per_task_tools_get_a_class_per_tool_set_and_rows_that_name_it(per_task_
 
 def test_trl_routes_each_row_to_its_tool_sets_class(per_task_env: str, tiny_model: Path, tmp_path: Path) -> None:
     """GRPOTrainer with the dict: TRL renders each row's prompt with that row's tools only."""
-    from cgym.envs.integrations.trl import environment_factories, for_trl
+    from cgym.agents.local.trl_template import for_trl
+    from cgym.envs.integrations.trl import environment_factories
     from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
@@ -347,7 +348,7 @@ def test_trl_routes_each_row_to_its_tool_sets_class(per_task_env: str, tiny_mode
 
 
 def test_trl_refuses_the_tiny_model_as_shipped_and_for_trl_fixes_it(tiny_model: Path, tmp_path: Path) -> None:
-    from cgym.envs.integrations.trl import for_trl
+    from cgym.agents.local.trl_template import for_trl
     from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
@@ -362,7 +363,7 @@ def test_trl_refuses_the_tiny_model_as_shipped_and_for_trl_fixes_it(tiny_model: 
 def _check_for_trl(tokenizer: Any) -> None:
     """TRL's view of a turn matches critique-gym's: the same prompt text, and calls parsed as the env parses them."""
     from cgym.agents.ledger import ChatEncoder
-    from cgym.envs.integrations.trl import for_trl
+    from cgym.agents.local.trl_template import for_trl
 
     _, info = envs.make(API, difficulty="easy").reset(seed=0)
     messages, tools = info["messages"], info["tools"]
@@ -394,10 +395,22 @@ def test_for_trl_on_smollm2(tmp_path: Path) -> None:
 
 
 def test_for_trl_refuses_a_template_it_cannot_describe(tiny_model: Path) -> None:
-    from cgym.envs.integrations.trl import UnsupportedTemplateError, for_trl
+    from cgym.agents.local.trl_template import UnsupportedTemplateError, for_trl
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     tokenizer.chat_template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}"
     with pytest.raises(UnsupportedTemplateError, match="ChatML"):
+        for_trl(tokenizer)
+
+
+def test_for_trl_refuses_a_model_trained_with_the_compact_layout(tiny_model: Path) -> None:
+    from cgym.agents.local.trl_template import UnsupportedTemplateError, for_trl
+    from cgym.agents.tool_prompt import set_tool_layout
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    tokenizer.chat_template = "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    set_tool_layout(tokenizer, "compact")
+    with pytest.raises(UnsupportedTemplateError, match="'compact' tool layout"):
         for_trl(tokenizer)

@@ -225,3 +225,12 @@ def test_long_demos_get_fewer_rows_per_micro_batch(width: int, rows: int) -> Non
     from cgym.trainer.sft import rows_within_budget
 
     assert rows_within_budget(width, 4) == rows
+
+
+def test_sft_in_the_compact_layout_saves_it_with_the_model(tiny_dir: Path, tmp_path: Path) -> None:
+    from cgym.agents.tool_prompt import tool_layout
+
+    sft(tiny_dir, DEMOS[:2], tmp_path / "compact", epochs=1, batch_size=2, progress=False, tool_layout="compact")
+    sft(tiny_dir, DEMOS[:2], tmp_path / "default", epochs=1, batch_size=2, progress=False)
+    assert tool_layout(AutoTokenizer.from_pretrained(tmp_path / "compact")) == "compact"
+    assert tool_layout(AutoTokenizer.from_pretrained(tmp_path / "default")) == "json"

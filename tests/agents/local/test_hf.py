@@ -592,3 +592,27 @@ def test_an_episode_past_max_context_ends_on_the_empty_reply(model, tokenizer) -
     assert summary["context_cuts"] == policy.context_cuts == 2
     summary, _ = evaluate(policy, EvalConfig("cgym/ApiReport-v0", episodes=1))
     assert summary["context_cuts"] == 1  # this eval's cuts, not the policy's lifetime count
+
+
+CHATML_NO_TOOLS = (  # SmolLM2's kind of template: ChatML turns, no tools section
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+@pytest.mark.parametrize("layout", ["json", "compact"])
+def test_a_template_without_tools_gets_them_in_its_layout_token_exact(model, tokenizer, layout: str) -> None:
+    from cgym.agents.ledger import with_tools_in_system
+    from cgym.agents.tool_prompt import set_tool_layout
+
+    bare = copy.deepcopy(tokenizer)
+    bare.chat_template = CHATML_NO_TOOLS
+    set_tool_layout(bare, layout)  # type: ignore[arg-type]
+    policy = HFPolicy(model, bare, sampling=SamplingOptions(max_new_tokens=16, seed=0))
+    assert policy.encoder.tools_in_system and policy.encoder.tool_layout == layout
+    conv = new_conversation()
+    play(policy, [conv], turns=3)
+    assert_ledger_reproduced(model, conv)
+    text = bare.decode(conv.token_ids, skip_special_tokens=False)
+    assert text + "\n" == bare.apply_chat_template(with_tools_in_system(conv.messages, TOOLS, layout), tokenize=False)  # type: ignore[arg-type]
+    assert ("get_orders(" in text) == (layout == "compact") and ('"name": "get_orders"' in text.split("<|im_end|>")[0]) == (layout == "json")
