@@ -22,6 +22,7 @@ import argparse
 import itertools
 import json
 import sys
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -73,12 +74,13 @@ def run_arm(name: str, overrides: dict[str, Any], seed: int, setting: Setting) -
     elapsed = list(itertools.accumulate(r["step_time_s"] for r in steps))
     checkpoints = range(setting.eval_every, result["steps"], setting.eval_every) if setting.eval_every else range(0)
     curve = [(round(elapsed[step - 1], 1), test_outcomes(str(out / "checkpoints" / f"step-{step}"), setting)[0]) for step in checkpoints]
-    final_rate, outcomes = test_outcomes(result["final"], setting)
+    errors: list[Any] = []
+    final_rate, outcomes = test_outcomes(result["final"], setting, errors)
     curve.append((round(elapsed[-1] if elapsed else 0.0, 1), final_rate))
     refine = [r for r in steps if "refine/attempts" in r]
     return {
         "arm": name, "seed": seed, "overrides": overrides, "steps": result["steps"], "train_s": round(result["train_time_s"], 1),
-        "success": final_rate, "curve": curve, "outcomes": outcomes,
+        "success": final_rate, "curve": curve, "outcomes": outcomes, "first_errors": errors, "errors": error_profile(errors),
         "sampled_success": [r["success_rate"] for r in steps],
         "refine": {"attempts": sum(r["refine/attempts"] for r in refine), "rescued_groups": sum(r["refine/rescued_groups"] for r in refine),
                    "success_rate": _ratio(sum(r["refine/success_rate"] * r["refine/attempts"] for r in refine), sum(r["refine/attempts"] for r in refine))} if refine else None,
@@ -89,15 +91,36 @@ def _ratio(part: float, whole: float) -> float | None:
     return part / whole if whole else None
 
 
-def test_outcomes(model: str, setting: Setting) -> tuple[float, list[int]]:
-    """Greedy success rate and per-episode outcomes (1/0) on the fixed test episodes."""
+def test_outcomes(model: str, setting: Setting, errors: list[Any] | None = None) -> tuple[float, list[int]]:
+    """Greedy success rate and per-episode outcomes (1/0) on the fixed test episodes.
+
+    `errors`, when given, receives each episode's first error as `[turn, code]` (None where it
+    succeeded): where a policy goes wrong, and whether training moves that later.
+    """
     from cgym.agents.eval.evaluate import EvalConfig, evaluate
     from cgym.agents.local.hf import HFPolicy
 
     policy = HFPolicy.from_pretrained(model, sampling=SamplingOptions(temperature=0.0, max_new_tokens=setting.train.get("max_new_tokens", 96), seed=0))
     config = EvalConfig(setting.env_id, {**setting.env_kwargs, "split": "test"}, episodes=setting.eval_episodes, seed=EVAL_SEED, batch_size=100)
     summary, results = evaluate(policy, config)
+    if errors is not None:
+        errors += [first_error(r.critiques) if not r.success else None for r in results]
     return summary["success_rate"], [int(r.success) for r in results]
+
+
+def first_error(critiques: list[dict[str, Any]]) -> list[Any] | None:
+    """The earliest critique of a failed episode as `[turn, code]` (the first of that turn)."""
+    return [critiques[0]["step"], critiques[0]["code"]] if critiques else None  # the env sorts them by step
+
+
+def error_profile(errors: list[list[Any] | None]) -> dict[str, Any]:
+    """First errors summed up: how many at each turn, the codes counted, the mean turn of a first error."""
+    failed = [e for e in errors if e is not None]
+    return {
+        "first_error_turn": dict(sorted(Counter(str(turn) for turn, _ in failed).items())),
+        "first_error_code": dict(Counter(code for _, code in failed).most_common()),
+        "mean_first_error_turn": round(sum(turn for turn, _ in failed) / len(failed), 2) if failed else None,
+    }
 
 
 def paired_table(start: list[int], runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -188,10 +211,18 @@ def main(argv: list[str] | None = None) -> None:
         previous = json.loads(args.json.read_text())
         if previous.get("setting") == shown:
             result.update(start=previous.get("start"), runs=previous.get("runs", []))
-    if not result.get("start"):
-        rate, outcomes = test_outcomes(args.start, setting)
-        result["start"] = {"success": rate, "outcomes": outcomes}
+    if not result.get("start") or "errors" not in result["start"]:  # a start from before the error profile is evaluated again
+        errors: list[Any] = []
+        rate, outcomes = test_outcomes(args.start, setting, errors)
+        result["start"] = {"success": rate, "outcomes": outcomes, "first_errors": errors, "errors": error_profile(errors)}
         _save(result, args)
+    for run in result["runs"]:  # runs from before the error profile get it from their final model
+        final = setting.out / f"{run['arm']}-seed{run['seed']}" / "final"
+        if "errors" not in run and final.is_dir():
+            errors = []
+            _, outcomes = test_outcomes(str(final), setting, errors)
+            run.update(first_errors=errors, errors=error_profile(errors), errors_outcomes_match=outcomes == run["outcomes"])
+            _save(result, args)
     for seed, (name, overrides) in itertools.product(args.seeds, arms.items()):  # seed by seed: a cut run holds whole seeds
         if any(r["arm"] == name and r["seed"] == seed for r in result["runs"]):
             continue

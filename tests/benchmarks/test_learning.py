@@ -40,5 +40,24 @@ def test_a_run_writes_json_and_png_and_resumes_without_redoing_runs(tmp_path: Pa
     assert [(r["arm"], r["steps"]) for r in result["runs"]] == [("grpo", 1), ("rft", 1)]
     assert len(result["start"]["outcomes"]) == 2 and set(result["paired"]) == {"grpo - start", "rft - start", "grpo - rft"}
     assert (tmp_path / "l.png").stat().st_size > 1000
+    for part in [result["start"], *result["runs"]]:  # where each failed episode first went wrong
+        assert len(part["first_errors"]) == 2 and all((e is None) == bool(o) for e, o in zip(part["first_errors"], part["outcomes"]))
+        assert sum(part["errors"]["first_error_turn"].values()) == 2 - sum(part["outcomes"])
     monkeypatch.setattr(learning, "run_arm", lambda *a, **k: pytest.fail("a finished run was trained again"))
     learning.main([*argv, "--resume"])
+    del result["runs"][0]["errors"], result["runs"][0]["first_errors"]  # a run from before the error profile
+    (tmp_path / "l.json").write_text(json.dumps(result))
+    learning.main([*argv, "--resume"])
+    again = json.loads((tmp_path / "l.json").read_text())["runs"][0]
+    assert again["errors_outcomes_match"] and len(again["first_errors"]) == 2  # profiled from its final model
+
+
+def test_the_error_profile_counts_first_errors_by_turn_and_code() -> None:
+    errors = [None, [2, "sql_syntax_error"], [2, "unknown_table"], [4, "no_submission"], None]
+    assert learning.first_error([{"step": 2, "code": "a"}, {"step": 3, "code": "b"}]) == [2, "a"] and learning.first_error([]) is None
+    assert learning.error_profile(errors) == {
+        "first_error_turn": {"2": 2, "4": 1},
+        "first_error_code": {"sql_syntax_error": 1, "unknown_table": 1, "no_submission": 1},
+        "mean_first_error_turn": 2.67,
+    }
+    assert learning.error_profile([None])["mean_first_error_turn"] is None
