@@ -7,6 +7,7 @@ the server, so each agent plays locally and its turns are replayed against the s
 from __future__ import annotations
 
 import json
+import re
 import socket
 import threading
 import time
@@ -349,3 +350,57 @@ def test_fuzzed_frames_are_each_answered_and_leave_no_session_behind(served: Ser
             assert not any(internal in message for internal in ("Traceback", "object has no attribute", "<class ", "Error:")), message
     assert served.sessions_become(0) == 0
     assert httpx.get(served.url + "/health", timeout=10).status_code == 200
+
+
+def _serve_cli(*args: str, env: dict[str, str] | None = None) -> tuple[Any, str]:
+    """`cgym serve ENV ... --port 0` as a child; the process and what it printed up to the URL line."""
+    import os
+    import subprocess
+    import sys
+
+    process = subprocess.Popen(
+        [sys.executable, "-m", "cgym", "serve", ENV, "--port", "0", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "COLUMNS": "400", **(env or {})},
+    )  # fmt: skip
+    said = ""
+    assert process.stdout is not None
+    for line in process.stdout:
+        said += line
+        if "serving " in line:
+            return process, said
+    process.kill()
+    raise AssertionError(f"cgym serve did not start: {said}")
+
+
+def _url_in(said: str) -> str:
+    found = re.search(r"at (http://\S+) ", said)
+    assert found, said
+    return found.group(1)
+
+
+def test_serve_listens_on_ipv6_and_takes_its_token_from_the_environment() -> None:
+    try:
+        socket.create_server(("::1", 0), family=socket.AF_INET6).close()
+    except OSError:
+        pytest.skip("this machine has no IPv6 loopback")
+    process, said = _serve_cli("--host", "::1", env={"CGYM_SERVE_TOKEN": TOKEN})
+    try:
+        url = _url_in(said)
+        assert url.startswith("http://[::1]:") and "warning" not in said  # loopback: no warning
+        assert httpx.get(url + "/health", timeout=10).status_code == 200
+        assert httpx.get(url + "/schema", timeout=10).status_code == 401  # the token from $CGYM_SERVE_TOKEN guards it
+        assert httpx.get(url + "/schema", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10).status_code == 200
+    finally:
+        process.kill()
+        process.wait(timeout=30)
+
+
+def test_serve_warns_when_it_listens_beyond_this_machine_without_a_token() -> None:
+    process, said = _serve_cli("--host", "0.0.0.0")
+    process.kill()
+    process.wait(timeout=30)
+    assert "warning" in said and "beyond this machine, with no token" in said and "--token" in said
+    process, said = _serve_cli("--host", "0.0.0.0", "--token", TOKEN)
+    process.kill()
+    process.wait(timeout=30)
+    assert "warning" not in said
