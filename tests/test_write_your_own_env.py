@@ -67,10 +67,16 @@ def test_the_example_is_short() -> None:
     assert len(readme_example().splitlines()) <= EXAMPLE_LINES
 
 
+def python_in(env: dict[str, str], script: str) -> str:
+    """Run `script` where the plugin is installed; its stdout (it must succeed)."""
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
 def test_the_plugin_passes_check_env(plugin_env: dict[str, str]) -> None:
     script = "import gymnasium as gym, envs\nfrom gymnasium.utils.env_checker import check_env\ncheck_env(gym.make('myorg/Weather-v0').unwrapped)\nprint('ok')"
-    done = subprocess.run([sys.executable, "-c", script], env=plugin_env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr
+    assert python_in(plugin_env, script).strip().endswith("ok")
 
 
 def test_oracle_audit_and_own_policy_through_the_cli(plugin_env: dict[str, str], tmp_path: Path) -> None:
@@ -102,9 +108,7 @@ def test_the_function_calling_example_passes_check_env_and_ends_after_one_turn(c
         "_, _, terminated, truncated, info = env.step('<tool_call>{\"name\": \"set_timer\", \"arguments\": {\"minutes\": 5}}</tool_call>')\n"
         "print(terminated, truncated, info['success'])"
     )
-    done = subprocess.run([sys.executable, "-c", script], env=calls_env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.split()[-3:] == ["True", "False", "False"]  # one of two parallel calls: finished, failed
+    assert python_in(calls_env, script).split()[-3:] == ["True", "False", "False"]  # one of two parallel calls: finished, failed
 
 
 def test_the_function_calling_example_through_the_cli(calls_env: dict[str, str], tmp_path: Path) -> None:
@@ -137,9 +141,7 @@ def test_the_audit_fails_the_example_on_a_lenient_arguments_check(calls_env: dic
         "m.CallsEnv.rubric = Rubric([Check('called', m.called), Check('arguments', lenient, weight=2.0)])\n"
         "print(json.dumps(audit('myorg/Calls-v0', {}, episodes=5)))"
     )
-    done = subprocess.run([sys.executable, "-c", script], env=calls_env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    report = json.loads(done.stdout.splitlines()[-1])
+    report = json.loads(python_in(calls_env, script).splitlines()[-1])
     shotgun = report["exploits"]["exploit_shotgun"]
     assert not report["passed"] and not shotgun["passed"]
     assert shotgun["success_rate"] == 0.0 and shotgun["episodes_above_near_misses"]["wrong_value"] > 0
