@@ -198,6 +198,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", type=Path, required=True)
     parser.add_argument("--plot", type=Path)
     parser.add_argument("--resume", action="store_true", help="keep the runs the JSON already holds for this command")
+    parser.add_argument("--profile-errors", action="store_true", help="with --resume: evaluate the start and kept runs that lack first-error profiles again to add them")
     args = parser.parse_args(argv)
     if not args.budget and args.steps == 10_000:
         parser.error("give --budget SECONDS (equal wall clock) or --steps N")
@@ -211,12 +212,12 @@ def main(argv: list[str] | None = None) -> None:
         previous = json.loads(args.json.read_text())
         if previous.get("setting") == shown:
             result.update(start=previous.get("start"), runs=previous.get("runs", []))
-    if not result.get("start") or "errors" not in result["start"]:  # a start from before the error profile is evaluated again
+    if not result.get("start") or (args.profile_errors and "errors" not in result["start"]):
         errors: list[Any] = []
         rate, outcomes = test_outcomes(args.start, setting, errors)
         result["start"] = {"success": rate, "outcomes": outcomes, "first_errors": errors, "errors": error_profile(errors)}
         _save(result, args)
-    for run in result["runs"]:  # runs from before the error profile get it from their final model
+    for run in result["runs"] if args.profile_errors else []:  # runs from before the error profile get it from their final model
         final = setting.out / f"{run['arm']}-seed{run['seed']}" / "final"
         if "errors" not in run and final.is_dir():
             errors = []

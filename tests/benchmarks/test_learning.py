@@ -47,7 +47,7 @@ def test_a_run_writes_json_and_png_and_resumes_without_redoing_runs(tmp_path: Pa
     learning.main([*argv, "--resume"])
     del result["runs"][0]["errors"], result["runs"][0]["first_errors"]  # a run from before the error profile
     (tmp_path / "l.json").write_text(json.dumps(result))
-    learning.main([*argv, "--resume"])
+    learning.main([*argv, "--resume", "--profile-errors"])
     again = json.loads((tmp_path / "l.json").read_text())["runs"][0]
     assert again["errors_outcomes_match"] and len(again["first_errors"]) == 2  # profiled from its final model
 
