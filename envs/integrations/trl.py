@@ -375,10 +375,18 @@ def _docstring(description: str, properties: Mapping[str, Any], name: str) -> st
 _RESERVED = frozenset(n for n in dir(CgymTrlEnv) if not n.startswith("_")) | {"get_reward"}
 
 
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's function-name rule, which `Tool` enforces too
+
+
 def _check_name(name: str, what: str) -> None:
-    """A tool becomes a method and its arguments keyword parameters: both must be Python names, free in the class."""
-    taken = _RESERVED if what == "tool" else {"self"}
-    if name.isidentifier() and not keyword.iskeyword(name) and not (what == "tool" and name.startswith("_")) and name not in taken:
-        return
-    rule = f"not start with '_' and be none of {sorted(taken)}" if what == "tool" else "not be 'self'"
-    raise ToolNameError(f"the {what} {name!r} cannot be used in the TRL environment class: it must be a Python identifier, {rule}")
+    """A tool becomes a method, looked up by name (TRL dispatches on `__name__`, so `get-token` works),
+    free in the class; its arguments become keyword parameters, so they must be Python names."""
+    if what == "tool":
+        if _TOOL_NAME.fullmatch(name) and not name.startswith("_") and name not in _RESERVED:
+            return
+        raise ToolNameError(
+            f"the tool {name!r} cannot be used in the TRL environment class: it must be 1-64 letters, digits, '_' or '-', "
+            f"not start with '_' and be none of {sorted(_RESERVED)}"
+        )
+    if not (name.isidentifier() and not keyword.iskeyword(name) and name != "self"):
+        raise ToolNameError(f"the {what} {name!r} cannot be used in the TRL environment class: it must be a Python identifier, not 'self'")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -66,10 +67,25 @@ def test_every_api_report_tool_round_trips_through_get_json_schema() -> None:
         assert sorted(got["parameters"].get("required", [])) == sorted(want["parameters"]["required"])
 
 
-@pytest.mark.parametrize("name", ["reset", "get_reward", "critiques", "_hidden", "get-token", "class"])
+@pytest.mark.parametrize("name", ["reset", "get_reward", "critiques", "_hidden", "math.add", "a b"])
 def test_a_tool_name_that_cannot_be_a_method_is_refused(name: str) -> None:
     schema = {"type": "function", "function": {"name": name, "description": "d", "parameters": {"type": "object", "properties": {}}}}
-    with pytest.raises(ToolNameError, match=repr(name)):
+    with pytest.raises(ToolNameError, match=re.escape(repr(name))):
+        tool_method(schema)
+
+
+@pytest.mark.parametrize("name", ["get-token", "class", "book-trip_2"])
+def test_a_tool_name_openai_accepts_becomes_a_method_trl_reads(name: str) -> None:
+    schema = {"type": "function", "function": {"name": name, "description": "Do it.", "parameters": {"type": "object", "properties": {"x": {"type": "integer", "description": "X."}}, "required": ["x"]}}}
+    method = tool_method(schema)
+    cls = type("C", (CgymTrlEnv,), {name: method})
+    assert get_json_schema(getattr(cls, name))["function"]["name"] == name  # TRL dispatches on this name
+
+
+@pytest.mark.parametrize("arg", ["class", "a-b", "self"])
+def test_an_argument_name_that_cannot_be_a_keyword_is_refused(arg: str) -> None:
+    schema = {"type": "function", "function": {"name": "probe", "description": "d", "parameters": {"type": "object", "properties": {arg: {"type": "string"}}}}}
+    with pytest.raises(ToolNameError, match=re.escape(repr(arg))):
         tool_method(schema)
 
 
