@@ -404,3 +404,17 @@ def test_serve_warns_when_it_listens_beyond_this_machine_without_a_token() -> No
     process.kill()
     process.wait(timeout=30)
     assert "warning" not in said
+
+
+def test_the_openenv_release_under_test() -> None:
+    """.ci/run runs this file a second time on `openenv` 0.10 (CGYM_OPENENV_VERSION says so): check that it really does."""
+    import importlib.metadata
+    import os
+
+    import openenv
+
+    wanted = os.environ.get("CGYM_OPENENV_VERSION")
+    if not wanted:
+        pytest.skip("the default run: whichever OpenEnv the interop extra installed")
+    assert importlib.metadata.version("openenv") == wanted
+    assert any(openenv.__file__.startswith(path) for path in os.environ.get("PYTHONPATH", "").split(os.pathsep) if path)
