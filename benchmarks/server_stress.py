@@ -1,15 +1,15 @@
 """Can clients wear a server down? Open-and-drop cycles on every route, reply times, memory.
 
-Usage: python -m cgym.benchmarks.server_stress --cycles 1000 --json benchmarks/results/server_stress.json
+Usage: python -m cgym.benchmarks.server_stress --cycles 1000 --warmup 1000 --json benchmarks/results/server_stress.json
 
-`cgym serve` (OpenEnv) runs as a child process: on each route it names (`/ws`, `/health`,
-`/metadata`, `/schema`) a client opens a connection, makes one request (on `/ws` a reset and one
-turn), and drops it, half the time without closing it; the server's resident memory is read from
-`/proc` every quarter of the cycles. Then every session slot must still open (none leaked), and the
-per-session memory is measured with every slot holding an episode of `max_turns` turns of the
-longest action the env keeps whole (the bound a client can reach). `cgym serve --mcp` gets the same
-number of requests (reads, bad calls, bad lines) on its one episode. Every reply's time is kept:
-the floor is that none takes over a second.
+`cgym serve` (OpenEnv) runs as a child process. After `--warmup` cycles on `/ws`, on each route
+it names (`/ws`, `/health`, `/metadata`, `/schema`) a client opens a connection, makes one request
+(on `/ws` a reset and one turn), and drops it, half the time without a close frame; the server's
+resident memory is read from `/proc` every quarter of the cycles. Then every session slot must
+still open (none leaked), and the per-session memory is measured with every slot holding an
+episode of `max_turns` turns of the longest action the env keeps whole (the bound a client can
+reach). `cgym serve --mcp` gets the same number of requests (reads, bad calls, bad lines) on its
+one episode. Every reply's time is kept: the floor is that none takes over a second.
 """
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ def every_slot_opens(port: int, max_sessions: int, turn: str, turns: int) -> lis
     return sockets
 
 
-def openenv(n: int, max_sessions: int) -> dict[str, Any]:
+def openenv(n: int, max_sessions: int, warmup: int = 20) -> dict[str, Any]:
     from cgym.envs.core import MAX_ACTION_CHARS
     from cgym.envs.registration import make
 
@@ -150,8 +150,10 @@ def openenv(n: int, max_sessions: int) -> dict[str, Any]:
     port = free_port()
     server = start_openenv(port, max_sessions)
     try:
-        for _ in range(20):  # warm up: imports, first env, first session
-            ws_episode(port, drop=False)
+        fresh = rss_mb(server.pid)
+        for i in range(warmup):  # warm up: imports, first envs and sessions, the allocator's pools
+            ws_episode(port, drop=i % 2 == 1)
+        warmed = {"cycles": warmup, "rss_mb": [round(fresh, 1), round(rss_mb(server.pid), 1)]}
         routes = {"/ws": cycles(server.pid, n, lambda drop: ws_episode(port, drop))}
         for path in HTTP_ROUTES:
             routes[path] = cycles(server.pid, n, lambda drop, path=path: [http_get(port, path, drop)])
@@ -162,6 +164,7 @@ def openenv(n: int, max_sessions: int) -> dict[str, Any]:
         for ws in held:
             ws.close()
         return {
+            "warmup": warmed,
             "max_sessions": max_sessions,
             "max_turns": max_turns,
             "max_action_chars": MAX_ACTION_CHARS,
@@ -215,11 +218,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cycles", type=int, default=1000, help="open-and-drop cycles per route (and MCP requests)")
     parser.add_argument("--max-sessions", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=20, help="/ws open-and-drop cycles before the measured ones (memory is read before and after)")
     parser.add_argument("--note", default="", help="a note kept in the JSON (e.g. the machine's load)")
     parser.add_argument("--json", type=Path, help="write the result here")
     args = parser.parse_args(argv)
     started = time.perf_counter()
-    result: dict[str, Any] = {"env": ENV, "env_kwargs": KWARGS, "cpus": os.cpu_count(), "openenv": openenv(args.cycles, args.max_sessions), "mcp": mcp(args.cycles)}
+    result: dict[str, Any] = {"env": ENV, "env_kwargs": KWARGS, "cpus": os.cpu_count(), "openenv": openenv(args.cycles, args.max_sessions, args.warmup), "mcp": mcp(args.cycles)}
     replies = [route["max_reply_s"] for route in result["openenv"]["routes"].values()] + [result["mcp"]["max_reply_s"]]
     result["every_reply_within_1s"] = max(replies) < 1.0
     result["wall_s"] = round(time.perf_counter() - started, 1)

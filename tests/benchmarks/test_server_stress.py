@@ -18,10 +18,11 @@ from cgym.envs.integrations.openenv import cap_malloc_arenas  # noqa: E402
 
 def test_small_run_cycles_every_route_and_fills_every_slot_after(tmp_path: Path) -> None:
     out = tmp_path / "server_stress.json"
-    main(["--cycles", "8", "--max-sessions", "2", "--note", "test", "--json", str(out)])
+    main(["--cycles", "8", "--max-sessions", "2", "--warmup", "4", "--note", "test", "--json", str(out)])
     result = json.loads(out.read_text())
     routes = result["openenv"]["routes"]
     assert set(routes) == {"/ws", "/health", "/metadata", "/schema"}
+    assert result["openenv"]["warmup"]["cycles"] == 4 and len(result["openenv"]["warmup"]["rss_mb"]) == 2
     assert routes["/ws"]["requests"] == 16 and all(len(route["rss_mb"]) == 5 for route in routes.values())
     assert result["openenv"]["every_slot_opened_after_the_cycles"] and isinstance(result["openenv"]["per_session_mb"], float)
     assert result["mcp"]["requests"] == 8 and result["note"] == "test"
