@@ -9,7 +9,7 @@ resident memory is read from `/proc` every quarter of the cycles. Then every ses
 still open (none leaked), and the per-session memory is measured with every slot holding an
 episode of `max_turns` turns of the longest action the env keeps whole (the bound a client can
 reach). `cgym serve --mcp` gets the same number of requests (reads, bad calls, bad lines) on its
-one episode. Every reply's time is kept: the floor is that none takes over a second.
+one episode, after as many warm-up requests. Every reply's time is kept: the floor is that none takes over a second.
 """
 
 from __future__ import annotations
@@ -180,38 +180,40 @@ def openenv(n: int, max_sessions: int, warmup: int = 20) -> dict[str, Any]:
         server.wait(timeout=30)
 
 
-def mcp(n: int) -> dict[str, Any]:
-    """`n` requests to one `cgym serve --mcp` episode: reads, a bad tool call, an unreadable line."""
+def mcp(n: int, warmup: int = 0) -> dict[str, Any]:
+    """`n` requests to one `cgym serve --mcp` episode (after `warmup` more): reads, a bad tool call, an unreadable line."""
     server = subprocess.Popen([sys.executable, "-m", "cgym", "serve", ENV, "--mcp", "--env-kwargs", json.dumps(KWARGS)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert server.stdin is not None and server.stdout is not None
-
-    def ask(line: str) -> float:
-        start = time.perf_counter()
-        server.stdin.write(line + "\n")  # type: ignore[union-attr]
-        server.stdin.flush()  # type: ignore[union-attr]
-        server.stdout.readline()  # type: ignore[union-attr]
-        return time.perf_counter() - start
-
-    init = {"protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "stress", "version": "0"}}
-    ask(json.dumps({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": init}))
     kinds = [
         {"method": "tools/list"},
         {"method": "resources/read", "params": {"uri": "cgym://episode/result"}},
         {"method": "tools/call", "params": {"name": "no_such_tool", "arguments": {"x": "y" * 10_000}}},
         None,  # a line that is not JSON
     ]
+
+    def ask(i: int) -> list[float]:
+        kind = kinds[i % len(kinds)]
+        start = time.perf_counter()
+        server.stdin.write(("not json " * 100 if kind is None else json.dumps({"jsonrpc": "2.0", "id": i + 1, **kind})) + "\n")  # type: ignore[union-attr]
+        server.stdin.flush()  # type: ignore[union-attr]
+        server.stdout.readline()  # type: ignore[union-attr]
+        return [time.perf_counter() - start]
+
+    init = {"protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "stress", "version": "0"}}
+    server.stdin.write(json.dumps({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": init}) + "\n")
+    server.stdin.flush()
+    server.stdout.readline()
     try:
-        before = rss_mb(server.pid)
-        times = []
-        for i in range(n):
-            kind = kinds[i % len(kinds)]
-            times.append(ask("not json " * 100 if kind is None else json.dumps({"jsonrpc": "2.0", "id": i + 1, **kind})))
-        after = rss_mb(server.pid)
+        fresh = rss_mb(server.pid)
+        for i in range(warmup):
+            ask(i)
+        warmed = {"requests": warmup, "rss_mb": [round(fresh, 1), round(rss_mb(server.pid), 1)]}
+        count = iter(range(warmup, warmup + n))
+        measured = cycles(server.pid, n, lambda _drop: ask(next(count)))
     finally:
         server.stdin.close()
         server.wait(timeout=30)
-    times.sort()
-    return {"requests": n, "max_reply_s": round(times[-1], 4), "p99_reply_s": round(times[int(0.99 * (n - 1))], 4), "rss_mb": [round(before, 1), round(after, 1)]}
+    return {"warmup": warmed, **measured}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -223,7 +225,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", type=Path, help="write the result here")
     args = parser.parse_args(argv)
     started = time.perf_counter()
-    result: dict[str, Any] = {"env": ENV, "env_kwargs": KWARGS, "cpus": os.cpu_count(), "openenv": openenv(args.cycles, args.max_sessions, args.warmup), "mcp": mcp(args.cycles)}
+    result: dict[str, Any] = {"env": ENV, "env_kwargs": KWARGS, "cpus": os.cpu_count(), "openenv": openenv(args.cycles, args.max_sessions, args.warmup), "mcp": mcp(args.cycles, args.warmup)}
     replies = [route["max_reply_s"] for route in result["openenv"]["routes"].values()] + [result["mcp"]["max_reply_s"]]
     result["every_reply_within_1s"] = max(replies) < 1.0
     result["wall_s"] = round(time.perf_counter() - started, 1)

@@ -25,7 +25,8 @@ def test_small_run_cycles_every_route_and_fills_every_slot_after(tmp_path: Path)
     assert result["openenv"]["warmup"]["cycles"] == 4 and len(result["openenv"]["warmup"]["rss_mb"]) == 2
     assert routes["/ws"]["requests"] == 16 and all(len(route["rss_mb"]) == 5 for route in routes.values())
     assert result["openenv"]["every_slot_opened_after_the_cycles"] and isinstance(result["openenv"]["per_session_mb"], float)
-    assert result["mcp"]["requests"] == 8 and result["note"] == "test"
+    assert result["mcp"]["requests"] == 8 and result["mcp"]["warmup"]["requests"] == 4 and len(result["mcp"]["rss_mb"]) == 5
+    assert result["note"] == "test"
     assert isinstance(result["every_reply_within_1s"], bool)  # a figure, not a timed assertion
 
 
