@@ -68,8 +68,9 @@ def run_arm(name: str, overrides: dict[str, Any], seed: int, setting: Setting) -
         "steps": setting.steps, "time_budget_s": setting.budget_s, "save_every": setting.eval_every, "eval_episodes": 0, "progress": False,
         **setting.train, **overrides,
     })  # fmt: skip
-    result = train(config, overwrite=True)  # a run cut short is run again whole
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = _metric_rows(out)
+    result = trained_already(out, config.to_dict(), rows) or train(config, overwrite=True)  # a run cut short is run again whole
+    rows = _metric_rows(out)
     steps = [r for r in rows if "step_time_s" in r]
     elapsed = list(itertools.accumulate(r["step_time_s"] for r in steps))
     checkpoints = range(setting.eval_every, result["steps"], setting.eval_every) if setting.eval_every else range(0)
@@ -79,12 +80,48 @@ def run_arm(name: str, overrides: dict[str, Any], seed: int, setting: Setting) -
     curve.append((round(elapsed[-1] if elapsed else 0.0, 1), final_rate))
     refine = [r for r in steps if "refine/attempts" in r]
     return {
-        "arm": name, "seed": seed, "overrides": overrides, "steps": result["steps"], "train_s": round(result["train_time_s"], 1),
+        "arm": name, "seed": seed, "overrides": overrides, "steps": result["steps"], "train_s": round(result["train_time_s"], 1), **({"recovered": True} if result.get("recovered") else {}),
         "success": final_rate, "curve": curve, "outcomes": outcomes, "first_errors": errors, "errors": error_profile(errors),
         "sampled_success": [r["success_rate"] for r in steps],
         "refine": {"attempts": sum(r["refine/attempts"] for r in refine), "rescued_groups": sum(r["refine/rescued_groups"] for r in refine),
                    "success_rate": _ratio(sum(r["refine/success_rate"] * r["refine/attempts"] for r in refine), sum(r["refine/attempts"] for r in refine))} if refine else None,
     }  # fmt: skip
+
+
+def trained_already(out: Path, config: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """What `train` returned, for a run of this config that finished training but lost its evaluation
+    (the benchmark was stopped while it evaluated): its final model passes its manifest check and
+    holds the last logged step. None when the run has to be trained (again).
+
+    Its `train_time_s` is the sum of the logged step times (the trainer's own clock also counts the
+    save between steps, a second or two over a run)."""
+    from cgym.trainer.checkpoint import CheckpointError, verify_checkpoint
+
+    final, saved = out / "final", out / "train_config.json"
+    steps = [r for r in rows if "step_time_s" in r]
+    try:
+        if not steps or json.loads(saved.read_text()) != json.loads(json.dumps(config, default=str)):
+            return None
+        verify_checkpoint(final)
+        if json.loads((final / "manifest.json").read_text()).get("step") != steps[-1]["step"]:
+            return None
+    except (OSError, ValueError, CheckpointError):
+        return None
+    return {"steps": steps[-1]["step"], "train_time_s": sum(r["step_time_s"] for r in steps), "final": str(final), "recovered": True}
+
+
+def _metric_rows(out: Path) -> list[dict[str, Any]]:
+    try:
+        lines = (out / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        return []
+    rows = []
+    for line in lines:
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue  # a line cut by a kill: the trainer skips it too
+    return [r for r in rows if isinstance(r, dict)]
 
 
 def _ratio(part: float, whole: float) -> float | None:

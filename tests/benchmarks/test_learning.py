@@ -51,6 +51,20 @@ def test_a_run_writes_json_and_png_and_resumes_without_redoing_runs(tmp_path: Pa
     again = json.loads((tmp_path / "l.json").read_text())["runs"][0]
     assert again["errors_outcomes_match"] and len(again["first_errors"]) == 2  # profiled from its final model
 
+    monkeypatch.undo()  # stopped while it evaluated: the JSON lacks a run whose training finished
+    import cgym.trainer.grpo
+
+    monkeypatch.setattr(cgym.trainer.grpo, "train", lambda *a, **k: pytest.fail("a finished training was run again"))
+    (tmp_path / "l.json").write_text(json.dumps({**result, "runs": result["runs"][:1]}))
+    learning.main([*argv, "--resume"])
+    recovered = json.loads((tmp_path / "l.json").read_text())["runs"][1]
+    assert recovered["recovered"] and (recovered["arm"], recovered["steps"]) == ("rft", 1) and recovered["outcomes"] == result["runs"][1]["outcomes"]
+    config = json.loads((tmp_path / "runs" / "rft-seed0" / "train_config.json").read_text())
+    rows = learning._metric_rows(tmp_path / "runs" / "rft-seed0")
+    assert learning.trained_already(tmp_path / "runs" / "rft-seed0", {**config, "seed": 1}, rows) is None  # another run's folder
+    (tmp_path / "runs" / "rft-seed0" / "final" / "config.json").write_text("{}")
+    assert learning.trained_already(tmp_path / "runs" / "rft-seed0", config, rows) is None  # a damaged final model
+
 
 def test_the_error_profile_counts_first_errors_by_turn_and_code() -> None:
     errors = [None, [2, "sql_syntax_error"], [2, "unknown_table"], [4, "no_submission"], None]
