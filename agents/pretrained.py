@@ -15,6 +15,7 @@ import errno
 import hashlib
 import os
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -230,7 +231,7 @@ def convert_gguf(gguf_path: Path, out: Path) -> Path:
     try:
         loaded = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    except (ValueError, KeyError, RuntimeError) as exc:
+    except (ValueError, KeyError, RuntimeError, IndexError, EOFError, OverflowError, MemoryError, OSError, struct.error) as exc:  # a cut or damaged file
         raise ModelFetchError(f"could not convert {gguf_path}: {exc}") from None
     config = loaded.config
     if hasattr(config, "quantization_config"):

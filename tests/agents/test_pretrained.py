@@ -134,6 +134,18 @@ def test_a_local_gguf_file_is_converted_once(source, cache: Path, monkeypatch: p
     assert resolve_model(str(source[2])) == first
 
 
+def test_a_cut_or_damaged_gguf_file_is_one_error(source, tmp_path: Path) -> None:
+    """Whatever part of a GGUF file a download or a disk lost, conversion says so in one error."""
+    data = source[2].read_bytes()
+    cuts = [6, 12, 24, 40, 100, 1_000, len(data) // 2, len(data) - 1]
+    damaged = {f"cut-{n}": data[:n] for n in cuts} | {"count-overflow": data[:8] + b"\xff" * 16 + data[24:]}
+    for name, blob in damaged.items():
+        path = tmp_path / f"{name}.gguf"
+        path.write_bytes(blob)
+        with pytest.raises(ModelFetchError, match="could not convert"):
+            pretrained.convert_gguf(path, tmp_path / name)
+
+
 @pytest.mark.parametrize(("name", "match"), [("smolm2-135m", "Did you mean 'smollm2-135m'"), ("missing.gguf", "no GGUF file")], ids=["misspelt", "missing-gguf"])
 def test_bad_model_names(name: str, match: str, cache: Path) -> None:
     with pytest.raises(ModelFetchError, match=match):
