@@ -23,6 +23,7 @@ from typing import Any
 
 from cgym.agents.base import Conversation, Message
 from cgym.agents.tool_prompt import ToolLayout, tool_layout, tools_block
+from cgym.envs.errors import CgymError
 from transformers import PreTrainedTokenizerBase
 
 END_OF_TURN = "<|im_end|>"
@@ -32,10 +33,20 @@ class LedgerError(RuntimeError):
     """The chat template or the message history broke an assumption of the token ledger."""
 
 
+class NoChatTemplateError(CgymError, ValueError):
+    """The tokenizer has no chat template: a base model, or a folder saved without one."""
+
+
 class ChatEncoder:
     """Keeps `Conversation.token_ids` / `loss_mask` / `logprobs` in step with its messages."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, end_of_turn: str | None = None) -> None:
+        if not getattr(tokenizer, "chat_template", None):
+            where = getattr(tokenizer, "name_or_path", "") or "this model"
+            raise NoChatTemplateError(
+                f"{where} has no chat template: critique-gym talks to chat models (an instruct model, "
+                "or a folder saved with its tokenizer's chat_template.jinja)"
+            )
         self.tokenizer = tokenizer
         self.end_of_turn = end_of_turn or end_of_turn_token(tokenizer)
         self.end_of_turn_id = _single_token_id(tokenizer, self.end_of_turn)

@@ -146,3 +146,20 @@ def test_a_model_cache_that_is_a_file_is_one_line(tmp_path: Path, capsys: pytest
     code, err = run_cli(["eval", *API, "--policy", "hf:smollm2-135m", "--episodes", "1"], capsys)
     assert code == 2 and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1 and "is a file, not a folder" in err
+
+
+@pytest.mark.parametrize("command", ["sft", "eval"])
+def test_a_model_without_a_chat_template_is_one_line(command: str, tiny_chat_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A base model (or a folder saved without its template) is refused in words, by sft and eval alike."""
+    import json
+    import shutil
+
+    model = shutil.copytree(tiny_chat_model, tmp_path / "base-model")
+    (model / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    argv = ["sft", *API, "--out", str(tmp_path / "sft"), "--episodes", "1", "--model", str(model)] if command == "sft" else [*EVAL[:3], "--policy", f"hf:{model}", "--episodes", "1"]
+    code, err = run_cli(argv, capsys)
+    assert code == 2 and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1 and "has no chat template" in err
