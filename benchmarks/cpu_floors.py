@@ -3,6 +3,8 @@ FLOPs of the tokens they ran and this CPU's matmul peak measured in the same run
 
     python -m cgym.benchmarks.cpu_floors --model runs/sft_easy --json benchmarks/results/cpu_floors_smollm2.json
 
+The GRPO steps train LoRA adapters (rank 16, the training default; `--lora-r 0`: every weight).
+
 Every forward call of a causal LM is counted by a global forward pre-hook (rows x new tokens,
 the keys each attends to, the LM-head columns kept, and whether autograd is recording, which
 means a backward of twice the forward's cost follows). FLOPs are the usual dense estimate:
@@ -47,7 +49,7 @@ class FlopCount:
     """FLOPs of the causal-LM forward calls seen, split by whether a backward follows."""
 
     inference: float = 0.0
-    training: float = 0.0  # forward + backward (3x the forward)
+    training: float = 0.0  # forward + backward (3x the forward; 2x with frozen weights)
     tokens: dict[str, int] = field(default_factory=lambda: {"inference": 0, "training": 0})
     exps: float = 0.0  # softmax exps of attention: forward, and again in a training backward
 
@@ -72,10 +74,15 @@ def forward_exps(model: Any, rows: int, new: int, keys: int) -> float:
 
 
 @contextmanager
-def counting_flops(model_class: type) -> Iterator[FlopCount]:
+def counting_flops(model_class: type, *, weight_gradients: bool = True) -> Iterator[FlopCount]:
     """Count every forward of `model_class` (a causal LM: the trained model, the sampler's bf16
-    copy and the eval policy's alike) while the block runs."""
+    copy and the eval policy's alike) while the block runs.
+
+    A forward under autograd is followed by a backward: twice the forward's FLOPs when every
+    weight gets a gradient, once when the weights are frozen (LoRA: gradients of the activations
+    only, the adapters' own being negligible), so `weight_gradients=False` counts 2x, not 3x."""
     count = FlopCount()
+    training_factor = 3 if weight_gradients else 2
     original = model_class.forward
 
     # `wraps` keeps the forward's signature visible (inspect follows __wrapped__): the sampler and
@@ -95,7 +102,7 @@ def counting_flops(model_class: type) -> Iterator[FlopCount]:
             columns = new if isinstance(keep, int) and keep == 0 else (keep if isinstance(keep, int) else len(keep))
             flops = forward_flops(self, rows, new, keys, columns)
             phase = "training" if torch.is_grad_enabled() and not torch.is_inference_mode_enabled() else "inference"
-            setattr(count, phase, getattr(count, phase) + (3 * flops if phase == "training" else flops))
+            setattr(count, phase, getattr(count, phase) + (training_factor * flops if phase == "training" else flops))
             count.exps += forward_exps(self, rows, new, keys) * (2 if phase == "training" else 1)
             count.tokens[phase] += rows * new
         return original(self, *args, **kwargs)
@@ -149,18 +156,21 @@ def figure(seconds: float, count: FlopCount, peak_gflops: float, exps_per_s: flo
     }
 
 
-def grpo_steps(model: str, steps: int, out: Path, draft_tokens: int = LOOKUP_TOKENS) -> tuple[list[float], list[FlopCount], list[dict[str, Any]]]:
-    """`steps` GRPO steps of 4 tasks x 8 on ApiReport easy after one warm-up step, the rollouts
-    drafting `draft_tokens` ids per step once few rows are left."""
+def grpo_steps(model: str, steps: int, out: Path, draft_tokens: int = LOOKUP_TOKENS, *, lora_r: int = 16, env_kwargs: dict[str, Any] = ENV_KWARGS) -> tuple[list[float], list[FlopCount], list[dict[str, Any]]]:
+    """`steps` GRPO steps of 4 tasks x 8 on ApiReport after one warm-up step, the rollouts
+    drafting `draft_tokens` ids per step once few rows are left; LoRA rank `lora_r` on every linear
+    layer at the training default's rate (0: full fine-tuning at 1e-5)."""
     from cgym.trainer.config import TrainConfig
     from cgym.trainer.grpo import setup, train_step
 
-    config = TrainConfig(env_id=ENV_ID, env_kwargs=ENV_KWARGS, model=model, out=str(out), group_size=8, tasks_per_step=4, eval_episodes=0, progress=False, lora_r=0)  # full fine-tuning, as its figures say
+    rate = {"learning_rate": 1e-5} if lora_r == 0 else {}
+    config = TrainConfig(env_id=ENV_ID, env_kwargs=env_kwargs, model=model, out=str(out), group_size=8, tasks_per_step=4, eval_episodes=0, progress=False, lora_r=lora_r, **rate)
     state = setup(config)
     state.policy.draft_tokens = draft_tokens
+    base = state.model.get_base_model() if lora_r else state.model  # peft's wrapper calls the base model's forward
     times, counts, rows = [], [], []
     for step in range(1, steps + 2):
-        with counting_flops(type(state.model)) as count:
+        with counting_flops(type(base), weight_gradients=lora_r == 0) as count:
             start = time.perf_counter()
             row = train_step(state, step)
             elapsed = time.perf_counter() - start
@@ -171,7 +181,7 @@ def grpo_steps(model: str, steps: int, out: Path, draft_tokens: int = LOOKUP_TOK
     return times, counts, rows
 
 
-def greedy_eval(model: str, episodes: int, draft_tokens: int) -> tuple[float, FlopCount, float]:
+def greedy_eval(model: str, episodes: int, draft_tokens: int, env_kwargs: dict[str, Any] = ENV_KWARGS) -> tuple[float, FlopCount, float]:
     from cgym.agents.eval.evaluate import EvalConfig, evaluate
     from cgym.agents.local.hf import HFPolicy
     from cgym.trainer.grpo import EVAL_SEED
@@ -179,12 +189,12 @@ def greedy_eval(model: str, episodes: int, draft_tokens: int) -> tuple[float, Fl
     policy = HFPolicy.from_pretrained(model, draft_tokens=draft_tokens, sampling=SamplingOptions(temperature=0.0))
     with counting_flops(type(policy.model)) as count:
         start = time.perf_counter()
-        summary, _ = evaluate(policy, EvalConfig(ENV_ID, {**ENV_KWARGS, "split": "test"}, episodes=episodes, seed=EVAL_SEED))  # cgym eval's batch size
+        summary, _ = evaluate(policy, EvalConfig(ENV_ID, {**env_kwargs, "split": "test"}, episodes=episodes, seed=EVAL_SEED))  # cgym eval's batch size
         elapsed = time.perf_counter() - start
     return elapsed, count, summary["success_rate"]
 
 
-def run(model: str, *, steps: int, episodes: int, draft_tokens: int = LOOKUP_TOKENS) -> dict[str, Any]:
+def run(model: str, *, steps: int, episodes: int, draft_tokens: int = LOOKUP_TOKENS, lora_r: int = 16, difficulty: str = "easy") -> dict[str, Any]:
     from cgym.agents.local.allocator import keep_freed_memory
     from cgym.agents.local.precision import compute_dtype
     from cgym.trainer.embedded import prepare_models
@@ -193,11 +203,15 @@ def run(model: str, *, steps: int, episodes: int, draft_tokens: int = LOOKUP_TOK
     load = round(os.getloadavg()[0], 2)
     before = {d: matmul_peak_gflops(d) for d in (torch.bfloat16, torch.float32)}
     exps_before = exp_rate_per_s()
-    eval_s, eval_count, success = greedy_eval(model, episodes, draft_tokens)
+    env_kwargs = {**ENV_KWARGS, "difficulty": difficulty}
+    eval_s, eval_count, success, eval_rss = 0.0, FlopCount(), None, None
+    if episodes:
+        eval_s, eval_count, success = greedy_eval(model, episodes, draft_tokens, env_kwargs)
+        eval_rss = _peak_rss_gb()
     times, counts, rows = [], [], []
     if steps:
         with tempfile.TemporaryDirectory(prefix="cgym-floors-") as tmp:
-            times, counts, rows = grpo_steps(model, steps, Path(tmp), draft_tokens)
+            times, counts, rows = grpo_steps(model, steps, Path(tmp), draft_tokens, lora_r=lora_r, env_kwargs=env_kwargs)
     # the best of a measurement before and after the work: one taken first in a process once read 194 GFLOP/s against ~405
     peaks = {str(d).removeprefix("torch."): round(max(best, matmul_peak_gflops(d)), 1) for d, best in before.items()}
     peak = peaks[str(compute_dtype()).removeprefix("torch.")]
@@ -206,15 +220,18 @@ def run(model: str, *, steps: int, episodes: int, draft_tokens: int = LOOKUP_TOK
     result: dict[str, Any] = {
         "model": model,
         "env": ENV_ID,
-        "env_kwargs": ENV_KWARGS,
+        "env_kwargs": env_kwargs,
+        "lora_r": lora_r,
         "threads": torch.get_num_threads(),
         "compute_dtype": str(compute_dtype()).removeprefix("torch."),
         "matmul_peak_gflops": peaks,
         "exp_rate_g_per_s": round(exps_per_s / 1e9, 2),
         "draft_tokens": draft_tokens,
-        "eval": {"episodes": episodes, "success_rate": success, **figure(eval_s, eval_count, peak, exps_per_s)},
+        "peak_rss_gb_after_eval": eval_rss,  # the process's high-water mark: run --steps 0 or --episodes 0 to see one phase alone
         "load_avg_1min": {"start": load},
     }
+    if episodes:
+        result["eval"] = {"episodes": episodes, "success_rate": success, **figure(eval_s, eval_count, peak, exps_per_s)}
     if median is not None:
         result["grpo_step"] = {
             "tasks_x_group": "4 x 8",
@@ -224,22 +241,30 @@ def run(model: str, *, steps: int, episodes: int, draft_tokens: int = LOOKUP_TOK
             **figure(times[median], counts[median], peak, exps_per_s),
         }
     result["load_avg_1min"]["end"] = round(os.getloadavg()[0], 2)
-    result["peak_rss_gb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)
+    result["peak_rss_gb"] = _peak_rss_gb()
     result["malloc_keeps_freed_memory"] = keep_freed_memory()
     return result
+
+
+def _peak_rss_gb() -> float:
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="an SFT'd model directory (or a short name)")
-    parser.add_argument("--steps", type=int, default=2, help="timed GRPO steps, after one warm-up step (0: the eval alone)")
-    parser.add_argument("--episodes", type=int, default=100, help="greedy eval episodes")
+    parser.add_argument("--steps", type=int, default=3, help="timed GRPO steps, after one warm-up step (0: the eval alone)")
+    parser.add_argument("--episodes", type=int, default=100, help="greedy eval episodes (0: the GRPO steps alone)")
+    parser.add_argument("--lora-r", type=int, default=16, help="LoRA rank of the GRPO steps, the training default (0: full fine-tuning)")
+    parser.add_argument("--difficulty", default="easy", choices=["easy", "medium", "hard"], help="ApiReport difficulty")
     parser.add_argument("--draft-tokens", type=int, default=LOOKUP_TOKENS, help="prompt-lookup drafts per step, in the greedy eval and the GRPO rollouts (0: off)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     from cgym import envs  # noqa: F401 - registers the built-in envs
 
-    emit(run(args.model, steps=args.steps, episodes=args.episodes, draft_tokens=args.draft_tokens), args.json)
+    if args.steps < 0 or args.episodes < 0 or args.lora_r < 0 or not (args.steps or args.episodes):
+        parser.error("--steps, --episodes and --lora-r take counts >= 0, and one of --steps and --episodes must be > 0")
+    emit(run(args.model, steps=args.steps, episodes=args.episodes, draft_tokens=args.draft_tokens, lora_r=args.lora_r, difficulty=args.difficulty), args.json)
 
 
 if __name__ == "__main__":

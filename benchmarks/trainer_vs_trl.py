@@ -63,6 +63,9 @@ class BenchConfig:
     """Loss aggregation, a type both trainers implement."""
     learning_rate: float = 2e-4
     """Constant AdamW learning rate."""
+    lora_r: int = 0
+    """0: every weight trains on both sides; R: LoRA rank R on every linear layer (alpha 2R) on
+    both, ours through `--lora-r`, TRL's through `peft_config`."""
     model: str | None = None
     """A model directory to start from; None builds the embedded tiny model (random init)."""
     sizes: dict[str, int] = field(default_factory=lambda: dict(TINY_SIZES))
@@ -175,7 +178,7 @@ def our_state(config: BenchConfig, model_dir: Path, out: Path, seen: list[int | 
         env_id=ENV_ID, env_kwargs=ENV_KWARGS, model=str(model_dir), out=str(out),
         group_size=config.group_size, tasks_per_step=config.tasks_per_step,
         sampling=SamplingOptions(temperature=1.0, top_p=1.0, max_new_tokens=config.max_new_tokens), loss_type=config.loss_type,
-        learning_rate=config.learning_rate, micro_batch_size=config.batch, beta=0.0, num_iterations=1, seed=config.seed, progress=False, lora_r=0,  # like TRL's side: every weight
+        learning_rate=config.learning_rate, micro_batch_size=config.batch, beta=0.0, num_iterations=1, seed=config.seed, progress=False, lora_r=config.lora_r,  # as TRL's side
     )  # fmt: skip
     return setup(train_config, make_env=lambda split: SeedLog(train_env(split), seen))
 
@@ -199,8 +202,13 @@ def trl_trainer(config: BenchConfig, model_dir: Path, out: Path, rows: list[dict
     )  # fmt: skip
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    peft_config = None
+    if config.lora_r:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=config.lora_r, lora_alpha=2 * config.lora_r, target_modules="all-linear", task_type="CAUSAL_LM")  # as agents.local.lora
     trainer = GRPOTrainer(
-        model=model, reward_funcs=[reward], args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer, callbacks=[callback]
+        model=model, reward_funcs=[reward], args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer, callbacks=[callback], peft_config=peft_config
     )
     trainer.remove_callback(PrinterCallback)  # its end-of-training summary would go to stdout
     return trainer
@@ -245,6 +253,8 @@ def run(*, vs: str = "trl", steps: int = 5, **kw: Any) -> dict[str, Any]:
         raise ValueError(f"vs={vs!r}: only 'trl' is supported")
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
+    if kw.get("lora_r", 0) < 0:
+        raise ValueError(f"lora_r must be >= 0, got {kw['lora_r']}")
     try:
         import trl  # noqa: F401
     except ImportError as exc:
@@ -305,6 +315,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--loss-type", default=BenchConfig.loss_type)
     parser.add_argument("--threads", type=int, default=BenchConfig.threads, help="torch CPU threads for both")
     parser.add_argument("--trl-bf16", action="store_true", help="give TRL its bf16 option (autocast on CPU)")
+    parser.add_argument("--lora-r", type=int, default=0, help="LoRA rank on both sides, every linear layer (0: every weight trains)")
     parser.add_argument("--json", type=Path, help="write the result here")
     args = parser.parse_args(argv)
     from cgym import envs  # noqa: F401 - registers the built-in envs
@@ -312,7 +323,7 @@ def main(argv: list[str] | None = None) -> None:
     result = run(
         steps=args.steps, model=args.model, group_size=args.group_size, tasks_per_step=args.tasks_per_step,
         max_new_tokens=args.max_new_tokens, loss_type=args.loss_type, threads=args.threads,
-        trl_bf16=args.trl_bf16,
+        trl_bf16=args.trl_bf16, lora_r=args.lora_r,
     )  # fmt: skip
     emit(result, args.json)
 

@@ -44,6 +44,16 @@ def test_counting_splits_inference_from_training_and_restores_forward(model: tor
     assert with_exp["floor_with_exp_s"] == pytest.approx(with_exp["floor_s"] + count.exps / 1e3, abs=0.01)
 
 
+def test_frozen_weights_count_a_backward_of_one_forward(model: torch.nn.Module) -> None:
+    """LoRA: the base's weights get no gradient, so a training forward costs 2x, not 3x."""
+    ids = torch.randint(0, model.config.vocab_size, (2, 5))
+    with counting_flops(type(model), weight_gradients=False) as count:
+        with torch.inference_mode():
+            model(input_ids=ids)
+        model(input_ids=ids).logits.sum().backward()
+    assert count.training == pytest.approx(2 * count.inference)
+
+
 def test_forward_exps_counts_each_query_head_layer_and_key_seen(model: torch.nn.Module) -> None:
     cfg = model.config
     assert forward_exps(model, 2, 1, 10) == 2 * cfg.num_attention_heads * cfg.num_hidden_layers * 10
