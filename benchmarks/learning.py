@@ -61,6 +61,7 @@ def run_arm(name: str, overrides: dict[str, Any], seed: int, setting: Setting) -
     """Train one arm under one seed from the start, then evaluate its checkpoints and final model."""
     from cgym.trainer.config import TrainConfig
     from cgym.trainer.grpo import train
+    from cgym.trainer.metrics import MetricsLog
 
     out = setting.out / f"{name}-seed{seed}"
     config = TrainConfig.from_dict({
@@ -68,9 +69,8 @@ def run_arm(name: str, overrides: dict[str, Any], seed: int, setting: Setting) -
         "steps": setting.steps, "time_budget_s": setting.budget_s, "save_every": setting.eval_every, "eval_episodes": 0, "progress": False,
         **setting.train, **overrides,
     })  # fmt: skip
-    rows = _metric_rows(out)
-    result = trained_already(out, config.to_dict(), rows) or train(config, overwrite=True)  # a run cut short is run again whole
-    rows = _metric_rows(out)
+    result = trained_already(out, config.to_dict()) or train(config, overwrite=True)  # a run cut short is run again whole
+    rows = MetricsLog(out / "metrics.jsonl").rows()
     steps = [r for r in rows if "step_time_s" in r]
     elapsed = list(itertools.accumulate(r["step_time_s"] for r in steps))
     checkpoints = range(setting.eval_every, result["steps"], setting.eval_every) if setting.eval_every else range(0)
@@ -88,7 +88,7 @@ def run_arm(name: str, overrides: dict[str, Any], seed: int, setting: Setting) -
     }  # fmt: skip
 
 
-def trained_already(out: Path, config: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+def trained_already(out: Path, config: dict[str, Any]) -> dict[str, Any] | None:
     """What `train` returned, for a run of this config that finished training but lost its evaluation
     (the benchmark was stopped while it evaluated): its final model passes its manifest check and
     holds the last logged step. None when the run has to be trained (again).
@@ -96,9 +96,10 @@ def trained_already(out: Path, config: dict[str, Any], rows: list[dict[str, Any]
     Its `train_time_s` is the sum of the logged step times (the trainer's own clock also counts the
     save between steps, a second or two over a run)."""
     from cgym.trainer.checkpoint import CheckpointError, verify_checkpoint
+    from cgym.trainer.metrics import MetricsLog
 
     final, saved = out / "final", out / "train_config.json"
-    steps = [r for r in rows if "step_time_s" in r]
+    steps = [r for r in MetricsLog(out / "metrics.jsonl").rows() if "step_time_s" in r]
     try:
         if not steps or json.loads(saved.read_text()) != json.loads(json.dumps(config, default=str)):
             return None
@@ -108,20 +109,6 @@ def trained_already(out: Path, config: dict[str, Any], rows: list[dict[str, Any]
     except (OSError, ValueError, CheckpointError):
         return None
     return {"steps": steps[-1]["step"], "train_time_s": sum(r["step_time_s"] for r in steps), "final": str(final), "recovered": True}
-
-
-def _metric_rows(out: Path) -> list[dict[str, Any]]:
-    try:
-        lines = (out / "metrics.jsonl").read_text().splitlines()
-    except OSError:
-        return []
-    rows = []
-    for line in lines:
-        try:
-            rows.append(json.loads(line))
-        except ValueError:
-            continue  # a line cut by a kill: the trainer skips it too
-    return [r for r in rows if isinstance(r, dict)]
 
 
 def _ratio(part: float, whole: float) -> float | None:

@@ -202,13 +202,11 @@ def trl_trainer(config: BenchConfig, model_dir: Path, out: Path, rows: list[dict
     )  # fmt: skip
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    peft_config = None
-    if config.lora_r:
-        from peft import LoraConfig
+    from cgym.agents.local.lora import lora_config
 
-        peft_config = LoraConfig(r=config.lora_r, lora_alpha=2 * config.lora_r, target_modules="all-linear", task_type="CAUSAL_LM")  # as agents.local.lora
     trainer = GRPOTrainer(
-        model=model, reward_funcs=[reward], args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer, callbacks=[callback], peft_config=peft_config
+        model=model, reward_funcs=[reward], args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer, callbacks=[callback],
+        peft_config=lora_config(config.lora_r) if config.lora_r else None,  # the same adapters as ours
     )
     trainer.remove_callback(PrinterCallback)  # its end-of-training summary would go to stdout
     return trainer

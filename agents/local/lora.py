@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -20,12 +21,20 @@ def with_lora(model: torch.nn.Module, rank: int, *, adapter: Path | None = None)
     alpha = 2r, as LoRA Without Regret (Thinking Machines, 2025) and most RL recipes use.
     """
     try:
-        from peft import LoraConfig, PeftModel, get_peft_model
+        from peft import PeftModel, get_peft_model
     except ImportError as exc:
         raise ImportError("lora_r > 0 needs peft: pip install peft") from exc
     if adapter is not None:
         return PeftModel.from_pretrained(model, str(adapter), is_trainable=True)
-    return get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear", task_type="CAUSAL_LM"))
+    return get_peft_model(model, lora_config(rank))
+
+
+def lora_config(rank: int) -> Any:
+    """peft's `LoraConfig` for rank-`rank` adapters on every linear layer, alpha = 2r (what
+    `with_lora` trains, and what a comparison with another trainer should hand it)."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear", task_type="CAUSAL_LM")
 
 
 def has_adapters(model: torch.nn.Module) -> bool:

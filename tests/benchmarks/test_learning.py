@@ -60,10 +60,9 @@ def test_a_run_writes_json_and_png_and_resumes_without_redoing_runs(tmp_path: Pa
     recovered = json.loads((tmp_path / "l.json").read_text())["runs"][1]
     assert recovered["recovered"] and (recovered["arm"], recovered["steps"]) == ("rft", 1) and recovered["outcomes"] == result["runs"][1]["outcomes"]
     config = json.loads((tmp_path / "runs" / "rft-seed0" / "train_config.json").read_text())
-    rows = learning._metric_rows(tmp_path / "runs" / "rft-seed0")
-    assert learning.trained_already(tmp_path / "runs" / "rft-seed0", {**config, "seed": 1}, rows) is None  # another run's folder
+    assert learning.trained_already(tmp_path / "runs" / "rft-seed0", {**config, "seed": 1}) is None  # another run's folder
     (tmp_path / "runs" / "rft-seed0" / "final" / "config.json").write_text("{}")
-    assert learning.trained_already(tmp_path / "runs" / "rft-seed0", config, rows) is None  # a damaged final model
+    assert learning.trained_already(tmp_path / "runs" / "rft-seed0", config) is None  # a damaged final model
 
 
 def test_the_error_profile_counts_first_errors_by_turn_and_code() -> None:
