@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import resource
 import tempfile
 import time
 from collections.abc import Iterator
@@ -39,6 +38,7 @@ import torch
 from cgym.agents.local.sampling import LOOKUP_TOKENS
 from cgym.agents.options import SamplingOptions
 from cgym.benchmarks.output import emit
+from cgym.trainer.metrics import peak_rss_gb
 
 ENV_ID = "cgym/ApiReport-v0"
 ENV_KWARGS: dict[str, Any] = {"difficulty": "easy"}
@@ -207,7 +207,7 @@ def run(model: str, *, steps: int, episodes: int, draft_tokens: int = LOOKUP_TOK
     eval_s, eval_count, success, eval_rss = 0.0, FlopCount(), None, None
     if episodes:
         eval_s, eval_count, success = greedy_eval(model, episodes, draft_tokens, env_kwargs)
-        eval_rss = _peak_rss_gb()
+        eval_rss = peak_rss_gb()
     times, counts, rows = [], [], []
     if steps:
         with tempfile.TemporaryDirectory(prefix="cgym-floors-") as tmp:
@@ -241,13 +241,9 @@ def run(model: str, *, steps: int, episodes: int, draft_tokens: int = LOOKUP_TOK
             **figure(times[median], counts[median], peak, exps_per_s),
         }
     result["load_avg_1min"]["end"] = round(os.getloadavg()[0], 2)
-    result["peak_rss_gb"] = _peak_rss_gb()
+    result["peak_rss_gb"] = peak_rss_gb()
     result["malloc_keeps_freed_memory"] = keep_freed_memory()
     return result
-
-
-def _peak_rss_gb() -> float:
-    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)
 
 
 def main(argv: list[str] | None = None) -> None:

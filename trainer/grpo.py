@@ -47,9 +47,9 @@ from cgym.trainer.distributed import World, check_divisible, close_world, global
 from cgym.trainer.embedded import prepare_models
 from cgym.trainer.finite import check_finite
 from cgym.trainer.losses import policy_loss, rft_weights, turn_advantages, unified_advantages
-from cgym.trainer.metrics import HackingMonitor, MetricsLog, Outcome, env_metrics, plot_curve, rollout_metrics
+from cgym.trainer.metrics import HackingMonitor, MetricsLog, Outcome, env_metrics, peak_rss_gb, plot_curve, rollout_metrics
 from cgym.trainer.refine import rebase, sample_subset, select_refinements, should_refine
-from cgym.trainer.rollout import Batch, Trajectory, pack, slice_batch, spread_over_tokens
+from cgym.trainer.rollout import Batch, Trajectory, micro_batches, pack, slice_batch, spread_over_tokens
 from cgym.trainer.run_folder import CONFIG_FILE, check_out, check_same_run, clear_run
 from cgym.trainer.samplers.served import PushedSampler, ServedPolicy
 from rich.console import Console
@@ -256,6 +256,7 @@ def train_step(state: TrainState, step: int) -> dict[str, Any]:
     # 2. Critique-GRPO: refine the groups where (nearly) every attempt failed
     refined, refine_counts = _refine(state, trajectories, envs, step) if cfg.critique != "none" else ([], None)
     batch_trajs = trajectories + refined
+    sampled_rss = peak_rss_gb()
 
     # 3. advantages: one baseline per group over initial + refined rewards (global, for scale="batch")
     advantages, rewards, groups = _advantages(state, batch_trajs)
@@ -274,6 +275,7 @@ def train_step(state: TrainState, step: int) -> dict[str, Any]:
     row = {"step": step, **metrics, **(_refine_metrics(world.sum(refine_counts)) if refine_counts else {}), **update}
     row.update(tokens_per_s=(initial + extra) / max(rollout_s, 1e-9), step_time_s=elapsed, rollout_time_s=rollout_s, lr=state.scheduler.get_last_lr()[0])
     row["tokens/initial"], row["tokens/refined"] = int(initial), int(extra)
+    row["memory/peak_after_sampling_gb"], row["memory/peak_gb"] = world.max([sampled_rss, peak_rss_gb()])  # high-water marks: where the peak came
     warning = state.monitor.update(metrics["hacking/top_quartile_failed"], metrics["hacking/failed_outscoring"])
     if warning:
         row["hacking/warning"] = warning
@@ -448,11 +450,12 @@ def _update(state: TrainState, trajs: list[Trajectory], advantages: torch.Tensor
     own_old = state.served is not None or state.policy.sampling_weights.separate
     fixed_old: dict[int, torch.Tensor] = {}
     n_micro = 0
+    chunks = micro_batches([len(t.ids) for t in trajs], cfg.micro_batch_size)  # sized by length, like SFT's
     for iteration in range(cfg.num_iterations):
         head = _batch_head(state.model, batch)  # the prompt prefix all rows share, run once per optimizer step
-        for start in range(0, len(trajs), cfg.micro_batch_size):
+        for start, rows in enumerate(chunks):
             assert batch is not None
-            mb = slice_batch(batch, slice(start, start + cfg.micro_batch_size))
+            mb = slice_batch(batch, rows)
             with autocast(state.model):  # logits only at sampled positions; log-softmax in fp32
                 logp = sequence_logprobs(state.model, mb.ids, mb.attention, cfg.sampling.temperature, mask=mb.mask, head=head)
                 ref = None

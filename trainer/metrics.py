@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import resource
+import sys
 import warnings
 from collections import Counter
 from collections.abc import Sequence
@@ -14,6 +16,13 @@ import numpy as np
 from cgym.trainer.rollout import Trajectory
 
 HACKING_THRESHOLD = 0.5
+_MAXRSS_UNIT = 1 if sys.platform == "darwin" else 1024  # ru_maxrss is bytes on macOS, KiB on Linux
+
+
+def peak_rss_gb() -> float:
+    """This process's resident-memory high-water mark so far, in GiB (it never goes down)."""
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * _MAXRSS_UNIT / 2**30, 2)
+
 HACKING_PATIENCE = 3
 
 

@@ -23,6 +23,7 @@ from cgym.agents.local.precision import autocast
 from cgym.agents.local.sampling import sequence_logprobs
 from cgym.agents.pretrained import resolve_model
 from cgym.agents.tool_prompt import ToolLayout, set_tool_layout
+from cgym.trainer.rollout import rows_within_budget
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -177,16 +178,6 @@ def sft_loss(model: PreTrainedModel, ids: Tensor, attention: Tensor, loss_mask: 
     targets = loss_mask[:, 1:]
     logprobs = sequence_logprobs(model, ids, attention, mask=targets)  # (B, T-1)
     return -(logprobs * targets).sum() / targets.sum().clamp(min=1.0)
-
-
-ATTENTION_BUDGET = 3 * 1024**2  # rows x width^2 per micro-batch: the attention a backward pass keeps
-
-
-def rows_within_budget(width: int, most: int) -> int:
-    """Rows per micro-batch for sequences of `width` tokens: at most `most`, fewer for long ones,
-    since the attention weights kept for the backward pass grow with rows x width^2 (SmolLM2 on
-    1,400-token medium demos held 11.5 GB at 4 rows)."""
-    return max(1, min(most, ATTENTION_BUDGET // max(width, 1) ** 2))
 
 
 def accumulate_sft_loss(model: PreTrainedModel, ids: Tensor, attention: Tensor, loss_mask: Tensor, micro_batch_size: int) -> Tensor:

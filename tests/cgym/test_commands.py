@@ -85,3 +85,18 @@ def test_the_eval_table_says_when_the_context_cut_turns(cuts: int, capsys: pytes
     _print_summary(summary)
     printed = " ".join(capsys.readouterr().out.split())
     assert ("3 turns not sampled" in printed) == bool(cuts)
+
+
+def test_bench_trainer_passes_the_lora_rank(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import cgym.benchmarks.trainer_vs_trl
+
+    seen: dict[str, object] = {}
+
+    def fake_run(**kw: object) -> dict[str, object]:
+        seen.update(kw)
+        return {"ratio": 0.25}
+
+    monkeypatch.setattr(cgym.benchmarks.trainer_vs_trl, "run", fake_run)
+    assert main(["bench", "trainer", "--lora-r", "16", "--steps", "2", "--json", str(tmp_path / "out.json")]) == 0
+    assert seen["lora_r"] == 16 and seen["steps"] == 2
+    assert json.loads((tmp_path / "out.json").read_text()) == {"ratio": 0.25}

@@ -76,6 +76,8 @@ def test_weights_move_loss_is_finite_and_reward_rises(tiny_model: Path, tmp_path
     assert (tmp_path / "run" / "curve.png").stat().st_size > 1000
     for key in ("reward_std", "success_rate", "frac_zero_std", "kl", "entropy", "clip_frac_low", "clip_frac_high", "tokens_per_s", "step_time_s", "critique_codes", "checks", "hacking/top_quartile_failed"):
         assert key in rows[0], key
+    assert all(0 < r["memory/peak_after_sampling_gb"] <= r["memory/peak_gb"] for r in rows)  # high-water marks only rise
+    assert all(a["memory/peak_gb"] <= b["memory/peak_gb"] for a, b in zip(rows, rows[1:]))
 
 
 def test_resume_continues_exactly(tiny_model: Path, tmp_path: Path) -> None:

@@ -55,3 +55,15 @@ def test_step_bar_shows_generation_and_update_speeds() -> None:
     row = {"tokens_per_s": 96.4, "train_tokens": 1000, "step_time_s": 30.0, "rollout_time_s": 20.0}
     assert speeds(row) == "gen 96 tok/s train 100 tok/s"
     assert speeds({"tokens_per_s": 50.0}) == "gen 50 tok/s"  # no update this step
+
+
+def test_peak_rss_is_a_high_water_mark_in_gib() -> None:
+    from cgym.trainer.metrics import peak_rss_gb
+
+    before = peak_rss_gb()
+    block = bytearray(64 * 2**20)  # touch 64 MiB
+    block[:: 4096] = b"x" * len(block[:: 4096])
+    after = peak_rss_gb()
+    assert 0.01 < before <= after < 1024
+    del block
+    assert peak_rss_gb() >= after

@@ -222,7 +222,7 @@ def test_micro_batches_give_the_whole_batch_gradient(tiny_chat_model, micro: int
 
 @pytest.mark.parametrize(("width", "rows"), [(100, 4), (900, 3), (1400, 1), (5000, 1)], ids=["short", "easy", "medium", "huge"])
 def test_long_demos_get_fewer_rows_per_micro_batch(width: int, rows: int) -> None:
-    from cgym.trainer.sft import rows_within_budget
+    from cgym.trainer.rollout import rows_within_budget
 
     assert rows_within_budget(width, 4) == rows
 

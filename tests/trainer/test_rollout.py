@@ -1,0 +1,33 @@
+"""Packing trajectories into micro-batches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from cgym.trainer.rollout import ATTENTION_BUDGET, Trajectory, micro_batches, pack, rows_within_budget, slice_batch
+
+
+@pytest.mark.parametrize(
+    "lengths,most,expected",
+    [
+        ([10, 30, 20, 30], 2, [[1, 3], [2, 0]]),  # longest first, ties in row order
+        ([100] * 5, 4, [[0, 1, 2, 3], [4]]),
+        ([2000, 900, 800, 100], 4, [[0], [1, 2, 3]]),  # 2,000 tokens: one row (4 x 2000^2 passes the budget)
+        ([], 4, []),
+    ],
+)
+def test_micro_batches_take_every_row_once_longest_first(lengths: list[int], most: int, expected: list[list[int]]) -> None:
+    chunks = micro_batches(lengths, most)
+    assert chunks == expected
+    assert sorted(i for chunk in chunks for i in chunk) == list(range(len(lengths)))
+    for chunk in chunks:
+        width = max(lengths[i] for i in chunk)
+        assert len(chunk) <= rows_within_budget(width, most) and (len(chunk) == 1 or len(chunk) * width**2 <= ATTENTION_BUDGET)
+
+
+def test_a_micro_batch_of_listed_rows_is_trimmed_to_its_longest() -> None:
+    trajs = [Trajectory(ids=list(range(n)), mask=[0] + [1] * (n - 1), logprobs=[0.0] * n, reward=1.0, success=True, group=0, truncated=False) for n in (3, 9, 5)]
+    batch = pack(trajs, torch.tensor([1.0, -1.0, 0.5]), pad_id=0)
+    mb = slice_batch(batch, [2, 0])
+    assert mb.ids.shape == (2, 5) and mb.mask.shape == (2, 4)
+    assert mb.advantages.tolist() == [0.5, 1.0]
