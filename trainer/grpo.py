@@ -453,7 +453,7 @@ def _update(state: TrainState, trajs: list[Trajectory], advantages: torch.Tensor
     chunks = micro_batches([len(t.ids) for t in trajs], cfg.micro_batch_size)  # sized by length, like SFT's
     for iteration in range(cfg.num_iterations):
         head = _batch_head(state.model, batch)  # the prompt prefix all rows share, run once per optimizer step
-        for start, rows in enumerate(chunks):
+        for chunk, rows in enumerate(chunks):
             assert batch is not None
             mb = slice_batch(batch, rows)
             with autocast(state.model):  # logits only at sampled positions; log-softmax in fp32
@@ -465,11 +465,11 @@ def _update(state: TrainState, trajs: list[Trajectory], advantages: torch.Tensor
             old = mb.old_logp
             if own_old:
                 if iteration == 0:
-                    fixed_old[start] = logp.detach()
+                    fixed_old[chunk] = logp.detach()
                     sampled = mb.mask.bool() & ~mb.shaped[:, None]  # a refinement was sampled under another prompt
                     if sampled.any() and (state.served is None or state.served.returns_logprobs):
                         totals["sampler/logp_diff_max"] = max(totals["sampler/logp_diff_max"], float((logp.detach() - mb.old_logp)[sampled].abs().max()))
-                old = fixed_old[start]
+                old = fixed_old[chunk]
             loss, stats = policy_loss(
                 logp, old, mb.advantages, mb.mask,
                 loss_type=cfg.loss_type, epsilon_low=cfg.epsilon_low, epsilon_high=cfg.epsilon_high,

@@ -16,14 +16,13 @@ import numpy as np
 from cgym.trainer.rollout import Trajectory
 
 HACKING_THRESHOLD = 0.5
+HACKING_PATIENCE = 3
 _MAXRSS_UNIT = 1 if sys.platform == "darwin" else 1024  # ru_maxrss is bytes on macOS, KiB on Linux
 
 
 def peak_rss_gb() -> float:
     """This process's resident-memory high-water mark so far, in GiB (it never goes down)."""
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * _MAXRSS_UNIT / 2**30, 2)
-
-HACKING_PATIENCE = 3
 
 
 @dataclass(frozen=True)
