@@ -29,6 +29,7 @@ from typing import Any
 
 from cgym.agents.options import SamplingOptions
 from cgym.benchmarks.critique_vs_grpo import parse_arm
+from cgym.benchmarks.output import machine
 
 EVAL_SEED = 10_000
 DEFAULTS: dict[str, Any] = {"lora_r": 16, "learning_rate": 2e-4, "temperature": 0.7, "group_size": 8, "tasks_per_step": 2}
@@ -80,7 +81,7 @@ def run_arm(name: str, overrides: dict[str, Any], seed: int, setting: Setting) -
     curve.append((round(elapsed[-1] if elapsed else 0.0, 1), final_rate))
     refine = [r for r in steps if "refine/attempts" in r]
     return {
-        "arm": name, "seed": seed, "overrides": overrides, "steps": result["steps"], "train_s": round(result["train_time_s"], 1), **({"recovered": True} if result.get("recovered") else {}),
+        "arm": name, "seed": seed, "machine": machine(), "overrides": overrides, "steps": result["steps"], "train_s": round(result["train_time_s"], 1), **({"recovered": True} if result.get("recovered") else {}),
         "success": final_rate, "curve": curve, "outcomes": outcomes, "first_errors": errors, "errors": error_profile(errors),
         "sampled_success": [r["success_rate"] for r in steps],
         "refine": {"attempts": sum(r["refine/attempts"] for r in refine), "rescued_groups": sum(r["refine/rescued_groups"] for r in refine),
@@ -239,7 +240,7 @@ def main(argv: list[str] | None = None) -> None:
     if not result.get("start") or (args.profile_errors and "errors" not in result["start"]):
         errors: list[Any] = []
         rate, outcomes = test_outcomes(args.start, setting, errors)
-        result["start"] = {"success": rate, "outcomes": outcomes, "first_errors": errors, "errors": error_profile(errors)}
+        result["start"] = {"machine": machine(), "success": rate, "outcomes": outcomes, "first_errors": errors, "errors": error_profile(errors)}
         _save(result, args)
     for run in result["runs"] if args.profile_errors else []:  # runs from before the error profile get it from their final model
         final = setting.out / f"{run['arm']}-seed{run['seed']}" / "final"
@@ -257,11 +258,25 @@ def main(argv: list[str] | None = None) -> None:
     print(json.dumps({k: result[k] for k in ("table", "paired")}, indent=2))
 
 
+def machines_used(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The distinct machines the runs trained on (runs from before the record count as unknown),
+    with a warning on stderr when there is more than one: equal wall clock is then not equal work."""
+    seen: list[dict[str, Any]] = []
+    for run in runs:
+        where = run.get("machine", {"cpu": "unknown"})
+        if where not in seen:
+            seen.append(where)
+    if len(seen) > 1:
+        print(f"warning: these runs trained on {len(seen)} kinds of machine; equal wall clock is not equal work: {seen}", file=sys.stderr)
+    return seen
+
+
 def _save(result: dict[str, Any], args: argparse.Namespace) -> None:
     """Rewrite the JSON (and PNG) after every run: a crash loses one run at most."""
     runs = result["runs"]
     result["table"] = {arm: {"success": [r["success"] for r in runs if r["arm"] == arm], "steps": [r["steps"] for r in runs if r["arm"] == arm]} for arm in dict.fromkeys(r["arm"] for r in runs)}
     result["paired"] = paired_table(result["start"]["outcomes"], runs)
+    result["machines"] = machines_used(runs)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2))
     if args.plot:

@@ -40,6 +40,7 @@ def test_a_run_writes_json_and_png_and_resumes_without_redoing_runs(tmp_path: Pa
     assert [(r["arm"], r["steps"]) for r in result["runs"]] == [("grpo", 1), ("rft", 1)]
     assert len(result["start"]["outcomes"]) == 2 and set(result["paired"]) == {"grpo - start", "rft - start", "grpo - rft"}
     assert (tmp_path / "l.png").stat().st_size > 1000
+    assert result["machines"] == [result["runs"][0]["machine"]] and result["start"]["machine"]["cores"] >= 1  # one machine, recorded
     for part in [result["start"], *result["runs"]]:  # where each failed episode first went wrong
         assert len(part["first_errors"]) == 2 and all((e is None) == bool(o) for e, o in zip(part["first_errors"], part["outcomes"]))
         assert sum(part["errors"]["first_error_turn"].values()) == 2 - sum(part["outcomes"])
@@ -74,3 +75,10 @@ def test_the_error_profile_counts_first_errors_by_turn_and_code() -> None:
         "mean_first_error_turn": 2.67,
     }
     assert learning.error_profile([None])["mean_first_error_turn"] is None
+
+
+def test_runs_from_two_kinds_of_machine_are_listed_and_warned_about(capsys: pytest.CaptureFixture[str]) -> None:
+    fast, slow = {"cpu": "A", "bf16": True}, {"cpu": "B", "bf16": False}
+    assert learning.machines_used([{"machine": fast}, {"machine": fast}]) == [fast] and capsys.readouterr().err == ""
+    assert learning.machines_used([{"machine": fast}, {"machine": slow}, {}]) == [fast, slow, {"cpu": "unknown"}]
+    assert "3 kinds of machine" in capsys.readouterr().err
