@@ -420,13 +420,33 @@ def test_for_trl_refuses_a_template_it_cannot_describe(tiny_model: Path) -> None
         for_trl(tokenizer)
 
 
-def test_for_trl_refuses_a_model_trained_with_the_compact_layout(tiny_model: Path) -> None:
-    from cgym.agents.local.trl_template import UnsupportedTemplateError, for_trl
+CHATML_WITHOUT_TOOLS = "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+
+
+@pytest.mark.parametrize("layout", ["json", "compact"])
+def test_for_trl_writes_the_layout_the_model_was_trained_with(layout: str, tiny_model: Path) -> None:
     from cgym.agents.tool_prompt import set_tool_layout
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
-    tokenizer.chat_template = "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-    set_tool_layout(tokenizer, "compact")
-    with pytest.raises(UnsupportedTemplateError, match="'compact' tool layout"):
-        for_trl(tokenizer)
+    tokenizer.chat_template = CHATML_WITHOUT_TOOLS  # SmolLM2's kind: no tools section
+    set_tool_layout(tokenizer, layout)  # type: ignore[arg-type]
+    _check_for_trl(tokenizer)
+
+
+@pytest.mark.parametrize("layout", ["json", "compact"])
+def test_for_trl_renders_every_built_in_tool_and_the_odd_schemas_as_the_sampler_does(layout: str, tiny_model: Path) -> None:
+    from cgym.agents.local.trl_template import for_trl
+    from cgym.agents.tool_prompt import set_tool_layout, tools_block
+    from transformers import AutoTokenizer
+
+    from tests.agents.test_tool_prompt import ODD, built_in_tools
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    tokenizer.chat_template = CHATML_WITHOUT_TOOLS
+    set_tool_layout(tokenizer, layout)  # type: ignore[arg-type]
+    tools = [*built_in_tools(), ODD]
+    for_trl(tokenizer)
+    for messages, system in [([{"role": "user", "content": "u"}], ""), ([{"role": "system", "content": "S"}, {"role": "user", "content": "u"}], "S\n\n")]:
+        text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
+        assert text.startswith(f"<|im_start|>system\n{system}{tools_block(tools, layout)}<|im_end|>\n<|im_start|>user\nu<|im_end|>")  # type: ignore[arg-type]
