@@ -6,7 +6,8 @@ Usage: python -m cgym.benchmarks.trainer_vs_trl --steps 5 --json out.json (also 
 Both sides train a copy of the same tiny model (built here, or `--model DIR`) on single-turn
 `cgym/SqlQuery-v0` (easy, `max_turns=1`): the same tasks in the same order, the same prompt ids,
 the env's reward, the same group size, tasks per step, max new tokens (both stop at `<|im_end|>`),
-loss type, learning rate, AdamW, one forward/backward over the whole batch, beta 0, fp32, CPU.
+loss type, learning rate, AdamW, rows per forward/backward pass (`--micro-batch`; default the whole
+batch), beta 0, fp32, CPU.
 They alternate in one process: TRL step k, then our step k (run from a TRL callback), so machine
 noise hits both. What is timed, per optimizer step:
 - ours: `trainer.grpo.train_step` (rollout with generation and env rewards, advantages,
@@ -63,6 +64,11 @@ class BenchConfig:
     """Loss aggregation, a type both trainers implement."""
     learning_rate: float = 2e-4
     """Constant AdamW learning rate."""
+    micro_batch: int = 0
+    """Rows per forward/backward pass on both sides (0: the whole batch in one pass). TRL gets it as
+    `per_device_train_batch_size` with `gradient_accumulation_steps` making up the batch (one
+    generation per optimizer step either way); ours as `micro_batch_size` (which also caps rows by
+    their length). SmolLM2 with 16 rows of ~540 tokens in one fp32 pass does not fit in 24 GB."""
     lora_r: int = 0
     """0: every weight trains on both sides; R: LoRA rank R on every linear layer (alpha 2R) on
     both, ours through `--lora-r`, TRL's through `peft_config`."""
@@ -83,10 +89,16 @@ class BenchConfig:
         check_loss_type(self.loss_type)
         if self.group_size < 2 or self.tasks_per_step < 1 or self.max_new_tokens < 1:
             raise ValueError("need group_size >= 2, tasks_per_step >= 1 and max_new_tokens >= 1")
+        if self.micro_batch < 0 or (self.micro_batch and self.batch % self.micro_batch):
+            raise ValueError(f"micro_batch must divide the batch of {self.batch} rows (or be 0: the whole batch), got {self.micro_batch}")
 
     @property
     def batch(self) -> int:
         return self.group_size * self.tasks_per_step
+
+    @property
+    def rows_per_pass(self) -> int:
+        return self.micro_batch or self.batch
 
 
 # -- shared inputs --------------------------------------------------------------------------------
@@ -178,7 +190,7 @@ def our_state(config: BenchConfig, model_dir: Path, out: Path, seen: list[int | 
         env_id=ENV_ID, env_kwargs=ENV_KWARGS, model=str(model_dir), out=str(out),
         group_size=config.group_size, tasks_per_step=config.tasks_per_step,
         sampling=SamplingOptions(temperature=1.0, top_p=1.0, max_new_tokens=config.max_new_tokens), loss_type=config.loss_type,
-        learning_rate=config.learning_rate, micro_batch_size=config.batch, beta=0.0, num_iterations=1, seed=config.seed, progress=False, lora_r=config.lora_r,  # as TRL's side
+        learning_rate=config.learning_rate, micro_batch_size=config.rows_per_pass, beta=0.0, num_iterations=1, seed=config.seed, progress=False, lora_r=config.lora_r,  # as TRL's side
     )  # fmt: skip
     return setup(train_config, make_env=lambda split: SeedLog(train_env(split), seen))
 
@@ -191,7 +203,7 @@ def trl_trainer(config: BenchConfig, model_dir: Path, out: Path, rows: list[dict
 
     args = GRPOConfig(
         output_dir=str(out), max_steps=len(rows) // config.tasks_per_step,
-        per_device_train_batch_size=config.batch, gradient_accumulation_steps=1,
+        per_device_train_batch_size=config.rows_per_pass, gradient_accumulation_steps=config.batch // config.rows_per_pass,
         num_generations=config.group_size, max_completion_length=config.max_new_tokens,
         loss_type=config.loss_type, beta=0.0, num_iterations=1, epsilon=0.2, scale_rewards="group",
         learning_rate=config.learning_rate, lr_scheduler_type="constant", warmup_steps=0,
@@ -314,6 +326,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=BenchConfig.threads, help="torch CPU threads for both")
     parser.add_argument("--trl-bf16", action="store_true", help="give TRL its bf16 option (autocast on CPU)")
     parser.add_argument("--lora-r", type=int, default=0, help="LoRA rank on both sides, every linear layer (0: every weight trains)")
+    parser.add_argument("--micro-batch", type=int, default=0, help="rows per forward/backward pass on both sides (0: the whole batch)")
     parser.add_argument("--json", type=Path, help="write the result here")
     args = parser.parse_args(argv)
     from cgym import envs  # noqa: F401 - registers the built-in envs
@@ -321,7 +334,7 @@ def main(argv: list[str] | None = None) -> None:
     result = run(
         steps=args.steps, model=args.model, group_size=args.group_size, tasks_per_step=args.tasks_per_step,
         max_new_tokens=args.max_new_tokens, loss_type=args.loss_type, threads=args.threads,
-        trl_bf16=args.trl_bf16, lora_r=args.lora_r,
+        trl_bf16=args.trl_bf16, lora_r=args.lora_r, micro_batch=args.micro_batch,
     )  # fmt: skip
     emit(result, args.json)
 

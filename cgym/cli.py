@@ -214,6 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="trainer: start both sides from this model (a directory or a short name such as smollm2-135m); default a random-init tiny one")
     p.add_argument("--trl-bf16", action="store_true", help="trainer: give TRL its bf16 option (autocast on CPU)")
     p.add_argument("--lora-r", type=NATURAL, default=0, help="trainer: LoRA rank on both sides, every linear layer (default 0: every weight trains)")
+    p.add_argument("--micro-batch", type=NATURAL, default=0, help="trainer: rows per forward/backward pass on both sides (default 0: the whole batch)")
     p.add_argument("--json", type=Path)
     p.set_defaults(func=commands.cmd_bench)
     return parser

@@ -180,7 +180,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     else:
         from cgym.benchmarks.trainer_vs_trl import run as run_trainer
 
-        result = run_trainer(vs=args.vs, steps=args.steps, model=args.model, trl_bf16=args.trl_bf16, lora_r=args.lora_r)
+        result = run_trainer(vs=args.vs, steps=args.steps, model=args.model, trl_bf16=args.trl_bf16, lora_r=args.lora_r, micro_batch=args.micro_batch)
     console.print_json(data=result)
     write_json(args.json, result)
     return 0

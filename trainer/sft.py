@@ -23,7 +23,7 @@ from cgym.agents.local.precision import autocast
 from cgym.agents.local.sampling import sequence_logprobs
 from cgym.agents.pretrained import resolve_model
 from cgym.agents.tool_prompt import ToolLayout, set_tool_layout
-from cgym.trainer.rollout import rows_within_budget
+from cgym.trainer.rollout import micro_batches
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -181,7 +181,8 @@ def sft_loss(model: PreTrainedModel, ids: Tensor, attention: Tensor, loss_mask: 
 
 
 def accumulate_sft_loss(model: PreTrainedModel, ids: Tensor, attention: Tensor, loss_mask: Tensor, micro_batch_size: int) -> Tensor:
-    """`sft_loss` of the whole batch, backpropagated `micro_batch_size` rows at a time.
+    """`sft_loss` of the whole batch, backpropagated a micro-batch at a time: at most
+    `micro_batch_size` rows, fewer where they are long (`rollout.micro_batches`).
 
     Each micro-batch's summed token loss is divided by the whole batch's loss-token count, so
     the gradients equal one pass over the batch while the activations held for the backward
@@ -190,9 +191,8 @@ def accumulate_sft_loss(model: PreTrainedModel, ids: Tensor, attention: Tensor, 
     """
     total = loss_mask[:, 1:].sum().clamp(min=1.0)
     loss = torch.zeros(())
-    step = rows_within_budget(ids.shape[1], micro_batch_size)
-    for start in range(0, ids.shape[0], step):
-        rows = slice(start, start + step)
+    for chunk in micro_batches(attention.sum(-1).tolist(), micro_batch_size):  # sized by length, as GRPO's
+        rows = torch.as_tensor(chunk, dtype=torch.long)
         width = int(attention[rows].sum(-1).max())  # right padding: trim to this chunk's longest row
         with autocast(model):
             part = sft_loss(model, ids[rows, :width], attention[rows, :width], loss_mask[rows, :width])

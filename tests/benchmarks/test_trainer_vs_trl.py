@@ -10,10 +10,10 @@ TINY = {"vocab_size": 600, "hidden_size": 64, "num_layers": 2, "num_heads": 4, "
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("lora_r", [0, 2], ids=["every-weight", "lora"])
-def test_tiny_run_reports_both_medians_and_ratio(lora_r: int) -> None:
-    result = run(vs="trl", steps=2, sizes=TINY, demo_episodes=20, group_size=2, tasks_per_step=2, max_new_tokens=8, lora_r=lora_r)
-    assert result["config"]["lora_r"] == lora_r
+@pytest.mark.parametrize(("lora_r", "micro_batch"), [(0, 0), (2, 2)], ids=["every-weight", "lora-two-rows-a-pass"])
+def test_tiny_run_reports_both_medians_and_ratio(lora_r: int, micro_batch: int) -> None:
+    result = run(vs="trl", steps=2, sizes=TINY, demo_episodes=20, group_size=2, tasks_per_step=2, max_new_tokens=8, lora_r=lora_r, micro_batch=micro_batch)
+    assert result["config"]["lora_r"] == lora_r and result["config"]["micro_batch"] == micro_batch
     for key in ("ours_step_s", "trl_step_s", "ratio", "ours_tokens_per_step", "trl_tokens_per_step"):
         assert result[key] > 0, key
     assert result["ratio"] == pytest.approx(result["ours_step_s"] / result["trl_step_s"], rel=1e-2)
@@ -22,7 +22,7 @@ def test_tiny_run_reports_both_medians_and_ratio(lora_r: int) -> None:
     assert max(result["ours_tokens_per_step"], result["trl_tokens_per_step"]) <= 2 * 2 * 8
 
 
-@pytest.mark.parametrize("kw", [{"vs": "vllm"}, {"steps": 0}, {"lora_r": -1}], ids=["unknown-baseline", "no-steps", "negative-rank"])
+@pytest.mark.parametrize("kw", [{"vs": "vllm"}, {"steps": 0}, {"lora_r": -1}, {"micro_batch": 3}], ids=["unknown-baseline", "no-steps", "negative-rank", "uneven-micro-batch"])
 def test_bad_arguments_raise(kw: dict) -> None:
     with pytest.raises(ValueError):
         run(**kw)

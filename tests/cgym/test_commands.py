@@ -87,7 +87,7 @@ def test_the_eval_table_says_when_the_context_cut_turns(cuts: int, capsys: pytes
     assert ("3 turns not sampled" in printed) == bool(cuts)
 
 
-def test_bench_trainer_passes_the_lora_rank(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bench_trainer_passes_the_lora_rank_and_micro_batch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import cgym.benchmarks.trainer_vs_trl
 
     seen: dict[str, object] = {}
@@ -97,6 +97,6 @@ def test_bench_trainer_passes_the_lora_rank(tmp_path: Path, monkeypatch: pytest.
         return {"ratio": 0.25}
 
     monkeypatch.setattr(cgym.benchmarks.trainer_vs_trl, "run", fake_run)
-    assert main(["bench", "trainer", "--lora-r", "16", "--steps", "2", "--json", str(tmp_path / "out.json")]) == 0
-    assert seen["lora_r"] == 16 and seen["steps"] == 2
+    assert main(["bench", "trainer", "--lora-r", "16", "--micro-batch", "4", "--steps", "2", "--json", str(tmp_path / "out.json")]) == 0
+    assert seen["lora_r"] == 16 and seen["micro_batch"] == 4 and seen["steps"] == 2
     assert json.loads((tmp_path / "out.json").read_text()) == {"ratio": 0.25}
