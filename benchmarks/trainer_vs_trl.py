@@ -44,6 +44,7 @@ from cgym.benchmarks.output import emit
 from cgym.envs.registration import make
 from cgym.trainer.embedded import TINY_SIZES
 from cgym.trainer.losses import LossType, check_loss_type
+from cgym.trainer.metrics import peak_rss_gb
 
 ENV_ID = "cgym/SqlQuery-v0"
 ENV_KWARGS: dict[str, Any] = {"difficulty": "easy", "max_turns": 1}
@@ -311,6 +312,7 @@ def run(*, vs: str = "trl", steps: int = 5, **kw: Any) -> dict[str, Any]:
         "ours_dtype": f"{str(compute_dtype()).removeprefix('torch.')} sampling and autocast, fp32 master weights",
         "trl_dtype": "bf16 autocast, fp32 master weights" if config.trl_bf16 else "float32",
         "load_avg_1min": {"start": load_start, "end": round(os.getloadavg()[0], 2)},
+        "peak_rss_gb": peak_rss_gb(),  # both trainers in one process: their models, optimizers and largest passes
         "versions": {name: importlib.metadata.version(name) for name in ("trl", "transformers", "torch")},
     }
 

@@ -14,7 +14,7 @@ TINY = {"vocab_size": 600, "hidden_size": 64, "num_layers": 2, "num_heads": 4, "
 def test_tiny_run_reports_both_medians_and_ratio(lora_r: int, micro_batch: int) -> None:
     result = run(vs="trl", steps=2, sizes=TINY, demo_episodes=20, group_size=2, tasks_per_step=2, max_new_tokens=8, lora_r=lora_r, micro_batch=micro_batch)
     assert result["config"]["lora_r"] == lora_r and result["config"]["micro_batch"] == micro_batch
-    for key in ("ours_step_s", "trl_step_s", "ratio", "ours_tokens_per_step", "trl_tokens_per_step"):
+    for key in ("ours_step_s", "trl_step_s", "ratio", "ours_tokens_per_step", "trl_tokens_per_step", "peak_rss_gb"):
         assert result[key] > 0, key
     assert result["ratio"] == pytest.approx(result["ours_step_s"] / result["trl_step_s"], rel=1e-2)
     assert len(result["ours_steps_s"]) == len(result["trl_steps_s"]) == 2
