@@ -4,8 +4,9 @@ Usage:
     python -m cgym.benchmarks.quickstart_seeds --seeds 0 1 2 --out runs/quickstart \\
         --json benchmarks/results/quickstart_lora_seeds.json
 
-Each seed runs the whole quickstart into OUT/seedN (a seed whose quickstart.json exists is kept,
-so a cut-short call resumes), then the gains are paired on the same 100 test episodes:
+Each seed runs the whole quickstart, in a process of its own (so its peak memory is its own), into
+OUT/seedN (a seed whose quickstart.json exists is kept, so a cut-short call resumes), then the
+gains are paired on the same 100 test episodes:
 SFT + GRPO against SFT (GRPO's own gain) and against the prompt-only model.
 """
 
@@ -13,13 +14,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from cgym.agents.eval.paired import paired_difference
+from cgym.agents.tool_prompt import TOOL_LAYOUTS
 from cgym.benchmarks.output import emit
+from cgym.trainer.quickstart import QuickstartPlan
 
 
 def outcomes(run: Path) -> dict[str, list[int]]:
@@ -33,7 +37,7 @@ def summarize(runs: dict[int, Path]) -> dict[str, Any]:
     for seed, run in sorted(runs.items()):
         summary = json.loads((run / "quickstart.json").read_text())
         arms[seed] = outcomes(run)
-        per_seed[seed] = {"arms": summary["arms"], "grpo_gain": summary["grpo_gain"], "timings_s": summary["timings_s"]}
+        per_seed[seed] = {key: summary[key] for key in ("arms", "grpo_gain", "timings_s", "peak_rss_gb") if key in summary}  # older runs lack memory
     seeds = sorted(arms)
     trained, sft, base = ([arms[s][label] for s in seeds] for label in ("SFT + GRPO", "SFT", "prompt-only"))
     return {
@@ -84,17 +88,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--out", type=Path, default=Path("runs/quickstart"))
     parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--tool-layout", choices=TOOL_LAYOUTS, default=QuickstartPlan.tool_layout, help="how the tools are shown from SFT on (default: %(default)s)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--plot", type=Path, help="PNG: each arm's success per seed, GRPO's gain above")
     args = parser.parse_args(argv)
-    from cgym.trainer.quickstart import QuickstartPlan, run
-
+    plan = QuickstartPlan(model=args.model, tool_layout=args.tool_layout)
     runs = {}
     for seed in args.seeds:
         runs[seed] = args.out / f"seed{seed}"
-        if not (runs[seed] / "quickstart.json").exists():
-            run(runs[seed], QuickstartPlan(model=args.model, seed=seed))
-    result = {"command": "python -m cgym.benchmarks.quickstart_seeds " + " ".join(sys.argv[1:] if argv is None else argv), "plan": asdict(QuickstartPlan(model=args.model)), **summarize(runs)}
+        if not (runs[seed] / "quickstart.json").exists():  # a process each, so each seed's peak memory is its own
+            command = ["quickstart", "--out", str(runs[seed]), "--model", plan.model, "--tool-layout", plan.tool_layout, "--seed", str(seed)]
+            subprocess.run([sys.executable, "-m", "cgym", *command], check=True)
+    result = {"command": "python -m cgym.benchmarks.quickstart_seeds " + " ".join(sys.argv[1:] if argv is None else argv), "plan": asdict(plan), **summarize(runs)}
     emit(result, args.json)
     if args.plot:
         plot(result, args.plot)

@@ -330,5 +330,5 @@ def _is_loopback(host: str) -> bool:
 def cmd_quickstart(args: argparse.Namespace) -> int:
     from cgym.trainer.quickstart import QuickstartPlan, run
 
-    run(args.out, QuickstartPlan(model=args.model, sft_demos=args.sft_demos, train_steps=args.train_steps, critique=args.critique, seed=args.seed), console=console)
+    run(args.out, QuickstartPlan(model=args.model, sft_demos=args.sft_demos, train_steps=args.train_steps, critique=args.critique, tool_layout=args.tool_layout, seed=args.seed), console=console)
     return 0

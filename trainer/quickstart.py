@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cgym.agents.tool_prompt import ToolLayout
 from rich.console import Console
 
 ENV_ID = "cgym/ApiReport-v0"
@@ -43,6 +44,10 @@ class QuickstartPlan:
     the SFT'd model still fails often when it samples, the room GRPO trains in."""
     sft_epochs: float = 1.0
     sft_lr: float = 5e-5
+    tool_layout: ToolLayout = "json"
+    """How tools are shown to SmolLM2, whose template has no tools section: one JSON schema a
+    line, or compact signatures in about a third of the tokens (`agents.tool_prompt`). The SFT'd
+    model keeps it, so GRPO and the evaluations render it too; prompt-only keeps the model's own."""
     train_steps: int = 4
     """GRPO steps of tasks_per_step x group_size episodes each."""
     group_size: int = 8
@@ -77,17 +82,20 @@ def run(out: Path, plan: QuickstartPlan = QuickstartPlan(), *, console: Console 
     from cgym.trainer.config import TrainConfig
     from cgym.trainer.embedded import prepare_models
     from cgym.trainer.grpo import train
+    from cgym.trainer.metrics import peak_rss_gb
     from cgym.trainer.sft import sft
 
     console = console or Console()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     timings: dict[str, float] = {}
+    memory: dict[str, float] = {}
     started = time.perf_counter()
     console.print(f"expected: about {plan.expected_seconds / 60:.0f} minutes on 2 quiet cores (the work is fixed by step counts; a busier machine takes longer and gets the same model)")
 
     def phase(name: str) -> None:
         timings[name] = round(time.perf_counter() - started - sum(timings.values()), 1)
+        memory[name] = peak_rss_gb()  # the process's high-water mark so far
         console.print(f"[green]done[/green] {name} in {timings[name]:.0f}s (total {time.perf_counter() - started:.0f}s)")
 
     console.rule(f"1/4 the pretrained model: {plan.model}")
@@ -98,7 +106,7 @@ def run(out: Path, plan: QuickstartPlan = QuickstartPlan(), *, console: Console 
     console.rule(f"2/4 SFT warm start on {plan.sft_demos} scripted demonstrations")
     env_kwargs = {"difficulty": plan.difficulty, "max_turns": plan.max_turns}
     demos = demonstrations(ENV_ID, env_kwargs, episodes=plan.sft_demos, seed=plan.seed + 1)
-    sft(base, demos, out / "sft", lr=plan.sft_lr, epochs=plan.sft_epochs, seed=plan.seed)
+    sft(base, demos, out / "sft", lr=plan.sft_lr, epochs=plan.sft_epochs, seed=plan.seed, tool_layout=plan.tool_layout)
     phase("sft")
 
     console.rule(f"3/4 GRPO{' + Critique-GRPO' if plan.critique != 'none' else ''} on the train split ({plan.train_steps} steps of {plan.tasks_per_step} x {plan.group_size})")
@@ -122,7 +130,7 @@ def run(out: Path, plan: QuickstartPlan = QuickstartPlan(), *, console: Console 
     result = compare(arms, eval_config, on_arm=lambda label: console.print(f"evaluating {label} ..."))
     phase("compare")
     timings["total"] = round(time.perf_counter() - started, 1)
-    summary = _summary(result, timings, plan)
+    summary = _summary(result, timings, memory, plan)
     paths = write_reports(
         result, out, title=f"critique-gym quickstart: {plan.model}, prompt-only vs SFT vs SFT + GRPO",
         extra_images=[out / "grpo" / "curve.png"], extra_md=_timing_md(summary),
@@ -139,7 +147,7 @@ def run(out: Path, plan: QuickstartPlan = QuickstartPlan(), *, console: Console 
     return summary
 
 
-def _summary(result: dict[str, Any], timings: dict[str, float], plan: QuickstartPlan) -> dict[str, Any]:
+def _summary(result: dict[str, Any], timings: dict[str, float], memory: dict[str, float], plan: QuickstartPlan) -> dict[str, Any]:
     from cgym.agents.eval.compare import paired_arms
 
     sft, trained = result["labels"][-2:]
@@ -150,12 +158,14 @@ def _summary(result: dict[str, Any], timings: dict[str, float], plan: Quickstart
         "train_steps": plan.train_steps,
         "lora_r": plan.lora_r,
         "learning_rate": plan.learning_rate,
+        "tool_layout": plan.tool_layout,
         "seed": plan.seed,
         "before_success": result["before"]["success_rate"],
         "after_success": result["after"]["success_rate"],
         "arms": {label.split(" (")[0]: result["arms"][label]["success_rate"] for label in result["labels"]},
         "grpo_gain": paired_arms(result["arms"][sft], result["arms"][trained]).to_dict(),
         "timings_s": timings,
+        "peak_rss_gb": memory,  # after each phase: the high-water mark of the whole run so far
     }
 
 

@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 
 import torch
+from cgym.agents.local.hf import load_tokenizer
+from cgym.agents.tool_prompt import tool_layout
 from cgym.trainer.quickstart import QuickstartPlan, run
 from rich.console import Console
 
@@ -13,7 +15,7 @@ SMALL = dict(sft_demos=8, train_steps=1, group_size=2, tasks_per_step=2, eval_ep
 
 
 def test_quickstart_writes_the_reports_and_the_figures(tmp_path: Path, tiny_chat_model: Path) -> None:
-    plan = QuickstartPlan(model=str(tiny_chat_model), **SMALL)
+    plan = QuickstartPlan(model=str(tiny_chat_model), tool_layout="compact", **SMALL)
     console = Console(record=True, width=200)
     summary = run(tmp_path, plan, console=console)
     for name in ("report.md", "report.html", "compare.json", "compare.png", "quickstart.json", "grpo/curve.png", "grpo/final/config.json"):
@@ -28,6 +30,11 @@ def test_quickstart_writes_the_reports_and_the_figures(tmp_path: Path, tiny_chat
     assert gain["episodes"] == 4 and gain["low"] <= gain["mean"] <= gain["high"]
     assert gain["mean"] == summary["after_success"] - summary["arms"]["SFT"]
     assert set(summary["timings_s"]) == {"model", "sft", "train", "compare", "total"}
+    memory = list(summary["peak_rss_gb"].values())  # high-water marks after each phase
+    assert list(summary["peak_rss_gb"]) == ["model", "sft", "train", "compare"] and 0 < memory[0] and memory == sorted(memory)
+    for model in ("sft", "grpo/final"):  # the layout is the SFT'd model's, and GRPO's model keeps it
+        assert tool_layout(load_tokenizer(tmp_path / model)) == "compact", model
+    assert summary["tool_layout"] == "compact"
     assert json.loads((tmp_path / "quickstart.json").read_text()) == summary
     printed = console.export_text()
     assert "report.html" in printed and "expected: about" in printed and "GRPO's own gain" in printed
