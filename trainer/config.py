@@ -83,8 +83,9 @@ class TrainConfig:
     num_iterations: int = 1
     """Updates per rollout batch (old log-probs are the stored sampling ones)."""
     micro_batch_size: int = 4
-    """Most trajectories per forward/backward, longest first and fewer for long ones (rows x width^2
-    within `trainer.rollout.ATTENTION_BUDGET`, as in SFT); the loss does not depend on it."""
+    """Most trajectories per forward/backward, longest first and fewer for long ones (rows x width
+    and rows x width^2 within `trainer.rollout.TOKEN_BUDGET` and `ATTENTION_BUDGET`, as in SFT);
+    the loss does not depend on it."""
     zero_std: ZeroStd = "keep"
     """Groups whose rewards are all equal: keep, drop, or resample once."""
     mask_truncated: bool = False

@@ -101,13 +101,18 @@ def pack(trajectories: Sequence[Trajectory], advantages: Tensor, *, pad_id: int,
 
 
 ATTENTION_BUDGET = 3 * 1024**2  # rows x width^2 per micro-batch: the attention a backward pass keeps
+TOKEN_BUDGET = 2048  # rows x width per micro-batch: the activations a backward pass keeps
 
 
 def rows_within_budget(width: int, most: int) -> int:
-    """Rows per micro-batch for sequences of `width` tokens: at most `most`, fewer for long ones,
-    since the attention weights kept for the backward pass grow with rows x width^2 (SmolLM2 on
-    1,400-token medium demos held 11.5 GB at 4 rows)."""
-    return max(1, min(most, ATTENTION_BUDGET // max(width, 1) ** 2))
+    """Rows per micro-batch for sequences of `width` tokens: at most `most`, fewer for long ones.
+    The attention weights kept for the backward pass grow with rows x width^2 (SmolLM2 on
+    1,400-token medium demos held 11.5 GB at 4 rows), the other activations with rows x width:
+    ~1.3 MB a token for SmolLM2-135M in fp32 (30 layers of ~11,000 numbers), so 4 rows of 900
+    tokens held ~4.7 GB and `TOKEN_BUDGET` tokens hold ~2.7 GB. Rows of 2,048 tokens still make
+    a matmul tall enough to run at full speed."""
+    width = max(width, 1)
+    return max(1, min(most, ATTENTION_BUDGET // width**2, TOKEN_BUDGET // width))
 
 
 def micro_batches(lengths: Sequence[int], most: int) -> list[list[int]]:

@@ -80,6 +80,18 @@ def test_weights_move_loss_is_finite_and_reward_rises(tiny_model: Path, tmp_path
     assert all(a["memory/peak_gb"] <= b["memory/peak_gb"] for a, b in zip(rows, rows[1:]))
 
 
+def test_the_update_runs_without_the_rollouts_cached_turns(tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sampler's per-conversation keys/values are stale once the weights move, and memory
+    while the loss pass runs: the update must find them gone."""
+    import cgym.trainer.grpo as grpo
+
+    held: list[int] = []
+    update = grpo._update
+    monkeypatch.setattr(grpo, "_update", lambda state, *a, **kw: held.append(state.policy.turn_cache.bytes) or update(state, *a, **kw))
+    train(_config(tiny_model, tmp_path / "run", steps=2), make_env=_toy)
+    assert held == [0, 0]
+
+
 def test_resume_continues_exactly(tiny_model: Path, tmp_path: Path) -> None:
     straight = _config(tiny_model, tmp_path / "straight", steps=3)
     train(straight, make_env=_toy)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cgym.trainer.rollout import ATTENTION_BUDGET, Trajectory, micro_batches, pack, rows_within_budget, slice_batch
+from cgym.trainer.rollout import ATTENTION_BUDGET, TOKEN_BUDGET, Trajectory, micro_batches, pack, rows_within_budget, slice_batch
 
 
 @pytest.mark.parametrize(
@@ -12,7 +12,8 @@ from cgym.trainer.rollout import ATTENTION_BUDGET, Trajectory, micro_batches, pa
     [
         ([10, 30, 20, 30], 2, [[1, 3], [2, 0]]),  # longest first, ties in row order
         ([100] * 5, 4, [[0, 1, 2, 3], [4]]),
-        ([2000, 900, 800, 100], 4, [[0], [1, 2, 3]]),  # 2,000 tokens: one row (4 x 2000^2 passes the budget)
+        ([2000, 900, 800, 100], 4, [[0], [1, 2], [3]]),  # 2,000 tokens: one row (4 x 2000^2 passes the budget); 900: two (2 x 900 tokens)
+        ([500] * 5, 4, [[0, 1, 2, 3], [4]]),  # 4 x 500 tokens: within both budgets
         ([], 4, []),
     ],
 )
@@ -22,7 +23,8 @@ def test_micro_batches_take_every_row_once_longest_first(lengths: list[int], mos
     assert sorted(i for chunk in chunks for i in chunk) == list(range(len(lengths)))
     for chunk in chunks:
         width = max(lengths[i] for i in chunk)
-        assert len(chunk) <= rows_within_budget(width, most) and (len(chunk) == 1 or len(chunk) * width**2 <= ATTENTION_BUDGET)
+        assert len(chunk) <= rows_within_budget(width, most)
+        assert len(chunk) == 1 or (len(chunk) * width**2 <= ATTENTION_BUDGET and len(chunk) * width <= TOKEN_BUDGET)
 
 
 def test_a_micro_batch_of_listed_rows_is_trimmed_to_its_longest() -> None:

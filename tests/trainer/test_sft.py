@@ -220,7 +220,7 @@ def test_micro_batches_give_the_whole_batch_gradient(tiny_chat_model, micro: int
         torch.testing.assert_close(param.grad, want[name], atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize(("width", "rows"), [(100, 4), (900, 3), (1400, 1), (5000, 1)], ids=["short", "easy", "medium", "huge"])
+@pytest.mark.parametrize(("width", "rows"), [(100, 4), (500, 4), (900, 2), (1400, 1), (5000, 1)], ids=["short", "easy-compact", "easy-json", "medium", "huge"])
 def test_long_demos_get_fewer_rows_per_micro_batch(width: int, rows: int) -> None:
     from cgym.trainer.rollout import rows_within_budget
 
