@@ -156,9 +156,17 @@ class PrefixCache:
         self.entry = PrefixEntry(tuple(ids), [layer.keys.clone() for layer in layers], [layer.values.clone() for layer in layers], weights_version(model))
 
 
+FOLDED_FROM = "cgym_folded_from"  # on a LoRA model's folded sampling copy: the version it was folded from
+
+
 def weights_version(model: torch.nn.Module) -> tuple[int, int]:
     """Changes whenever a parameter is modified in place (optimizer steps, `load_state_dict`)
-    or replaced by new storage (`model.to(...)`)."""
+    or replaced by new storage (`model.to(...)`). A folded copy of a LoRA model answers with its
+    source's version: a new copy may be allocated where the last one was freed, with the same
+    pointers and counters, and would pass for it."""
+    folded = getattr(model, FOLDED_FROM, None)
+    if folded is not None:
+        return folded
     params = list(model.parameters())
     return sum(p._version for p in params), sum(p.data_ptr() for p in params)
 

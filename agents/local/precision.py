@@ -14,7 +14,7 @@ from contextlib import AbstractContextManager, nullcontext
 from functools import cache
 
 import torch
-from cgym.agents.local.kv_cache import weights_version
+from cgym.agents.local.kv_cache import FOLDED_FROM, weights_version
 from cgym.agents.local.lora import has_adapters, merged
 
 DTYPE_ENV = "CGYM_DTYPE"
@@ -54,8 +54,10 @@ class SamplingWeights:
     """A copy of `model` in the compute dtype for sampling, refreshed when the weights change.
 
     Autocast re-casts every weight at every decode step; a copy made once per optimizer step
-    costs one cast of the weights. Where the compute dtype is the model's own, it is the model.
-    A LoRA-wrapped model's copy has its adapters folded in, so sampling runs a plain model.
+    costs one cast of the weights. Where the compute dtype is the model's own, it is the model,
+    unless it is LoRA-wrapped: a LoRA model's copy, in any dtype, has its adapters folded in, so
+    sampling runs a plain model (on the fp32 EPYC, one GRPO step's rollout of 4 x 8 ApiReport
+    episodes took 50.8 s through peft's adapter layers and 34.9 s on the folded copy).
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
@@ -70,13 +72,15 @@ class SamplingWeights:
         return compute_dtype(params.device) != params.dtype
 
     def get(self) -> torch.nn.Module:
-        if not self.separate:
+        adapters = has_adapters(self.model)
+        if not self.separate and not adapters:
             return self.model
         dtype = compute_dtype(next(self.model.parameters()).device)
         version = weights_version(self.model)
-        if has_adapters(self.model):  # LoRA: fold the adapters into a fresh plain copy at each new version
+        if adapters:  # LoRA: fold the adapters into a fresh plain copy at each new version
             if self._copy is None or version != self._version:
                 self._copy = merged(self.model).to(dtype).eval().requires_grad_(False)
+                setattr(self._copy, FOLDED_FROM, version)  # what the caches compare (`weights_version`)
         elif self._copy is None:
             self._copy = copy.deepcopy(self.model).to(dtype).eval().requires_grad_(False)
         elif version != self._version:
@@ -85,3 +89,9 @@ class SamplingWeights:
                     dst.copy_(src)
         self._version = version
         return self._copy
+
+    def drop_folded(self) -> None:
+        """Free a LoRA model's folded copy (a new one is folded at the next version anyway); a
+        plain model's copy is kept, since refreshing it in place is cheaper than a new one."""
+        if has_adapters(self.model):
+            self._copy = self._version = None

@@ -8,6 +8,7 @@ import pytest
 import torch
 from cgym.agents.base import Conversation
 from cgym.agents.local.hf import HFPolicy
+from cgym.agents.local.kv_cache import weights_version
 from cgym.agents.local.precision import DTYPE_ENV, SamplingWeights, autocast, compute_dtype, cpu_has_bf16
 from cgym.agents.local.sampling import sequence_logprobs
 from cgym.agents.options import SamplingOptions
@@ -65,16 +66,18 @@ def test_the_sampling_copy_follows_weight_updates(tiny_chat_model: Path, monkeyp
     torch.testing.assert_close(again.model.embed_tokens.weight.float(), model.model.embed_tokens.weight, atol=0.05, rtol=0.01)
 
 
-def test_a_lora_models_sampling_copy_is_plain_with_the_adapters_folded_in(tiny_chat_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Sampling a LoRA-wrapped model runs a plain bf16 model (no adapter matmuls per decode step)
-    that follows the adapters as they train."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_lora_models_sampling_copy_is_plain_with_the_adapters_folded_in(tiny_chat_model: Path, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
+    """Sampling a LoRA-wrapped model runs a plain model in the compute dtype (no adapter matmuls
+    per decode step, in fp32 too) that follows the adapters as they train."""
     pytest.importorskip("peft")
     from cgym.agents.local.lora import with_lora
 
-    monkeypatch.setenv(DTYPE_ENV, "bfloat16")
+    monkeypatch.setenv(DTYPE_ENV, str(dtype).removeprefix("torch."))
     model = with_lora(AutoModelForCausalLM.from_pretrained(tiny_chat_model, dtype=torch.float32), 4)
     weights = SamplingWeights(model)
     ids = torch.tensor([[1, 5, 9, 13, 17, 21]])
+    versions = []
     for _ in range(2):  # as built, and after the adapters moved
         with torch.no_grad():
             for name, param in model.named_parameters():
@@ -82,7 +85,13 @@ def test_a_lora_models_sampling_copy_is_plain_with_the_adapters_folded_in(tiny_c
                     param.add_(0.05)
             expected = model(input_ids=ids).logits
         copy = weights.get()
-        assert not any("lora" in name for name, _ in copy.named_parameters())
-        assert next(copy.parameters()).dtype == torch.bfloat16
+        assert copy is not model and not any("lora" in name for name, _ in copy.named_parameters())
+        assert next(copy.parameters()).dtype == dtype
+        tolerance = {"atol": 0.1, "rtol": 0.05} if dtype == torch.bfloat16 else {"atol": 1e-4, "rtol": 1e-4}
         with torch.no_grad():
-            torch.testing.assert_close(copy(input_ids=ids).logits.float(), expected, atol=0.1, rtol=0.05)
+            torch.testing.assert_close(copy(input_ids=ids).logits.float(), expected, **tolerance)
+        assert weights_version(copy) == weights_version(model)  # the caches key on the source's version
+        versions.append(weights_version(copy))
+        weights.drop_folded()  # freed between rollout and update; folded anew on the next call
+        assert weights.get() is not copy
+    assert versions[0] != versions[1]  # however the copies were allocated

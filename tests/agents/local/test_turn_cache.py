@@ -89,7 +89,7 @@ def test_entries_never_outlive_the_batch(tiny_dir: Path) -> None:
     assert len(policy.turn_cache.entries) == len(convs)
     play(policy, convs[:1], turns=1)
     assert list(policy.turn_cache.entries) == [id(convs[0])]
-    policy.forget_turns()  # what a trainer does between its rollout and its update
+    policy.drop_caches()  # what a trainer does between its rollout and its update
     assert not policy.turn_cache.entries and policy.turn_cache.bytes == 0
 
 
