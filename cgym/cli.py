@@ -154,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--tool-layout", choices=TOOL_LAYOUTS, default=None,
         help="how tools are shown to a model whose chat template has no tools section (SmolLM2's): json schemas, or compact "
-        "signatures in about a third of the tokens; the saved model keeps it (default: the start model's, json)",
+        "signatures in about a third of the tokens; the saved model keeps it (default: the start model's, or compact for a model that records none)",
     )  # fmt: skip
     p.set_defaults(func=commands.cmd_sft)
 
@@ -189,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sft-demos", type=COUNT, default=QuickstartPlan.sft_demos, help="demonstrations for the warm start (few, so GRPO has room) (default: %(default)s)")
     p.add_argument("--train-steps", type=COUNT, default=QuickstartPlan.train_steps, help="GRPO steps (default: %(default)s)")
     p.add_argument("--critique", choices=("none", "indicative", "ground_truth", "step"), default=QuickstartPlan.critique, help="Critique-GRPO on groups that all failed (default: %(default)s, plain GRPO)")
-    p.add_argument("--tool-layout", choices=TOOL_LAYOUTS, default=QuickstartPlan.tool_layout, help="how SmolLM2 is shown the tools from SFT on: json schemas, or compact signatures in about a third of the tokens (default: %(default)s)")
+    p.add_argument("--tool-layout", choices=TOOL_LAYOUTS, default=QuickstartPlan.tool_layout, help="how SmolLM2 is shown the tools from SFT on: compact signatures, or json schemas in about three times the tokens (default: %(default)s)")
     p.add_argument("--seed", type=NATURAL, default=0)
     p.set_defaults(func=commands.cmd_quickstart)
 

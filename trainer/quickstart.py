@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cgym.agents.tool_prompt import ToolLayout
+from cgym.agents.tool_prompt import TRAINED_LAYOUT, ToolLayout
 from rich.console import Console
 
 ENV_ID = "cgym/ApiReport-v0"
@@ -44,9 +44,9 @@ class QuickstartPlan:
     the SFT'd model still fails often when it samples, the room GRPO trains in."""
     sft_epochs: float = 1.0
     sft_lr: float = 5e-5
-    tool_layout: ToolLayout = "json"
-    """How tools are shown to SmolLM2, whose template has no tools section: one JSON schema a
-    line, or compact signatures in about a third of the tokens (`agents.tool_prompt`). The SFT'd
+    tool_layout: ToolLayout = TRAINED_LAYOUT
+    """How tools are shown to SmolLM2, whose template has no tools section: compact signatures, or
+    one JSON schema a line in about three times the tokens (`agents.tool_prompt`). The SFT'd
     model keeps it, so GRPO and the evaluations render it too; prompt-only keeps the model's own."""
     train_steps: int = 4
     """GRPO steps of tasks_per_step x group_size episodes each."""

@@ -22,7 +22,7 @@ from cgym.agents.local.hf import load_pretrained, load_tokenizer
 from cgym.agents.local.precision import autocast
 from cgym.agents.local.sampling import sequence_logprobs
 from cgym.agents.pretrained import resolve_model
-from cgym.agents.tool_prompt import ToolLayout, set_tool_layout
+from cgym.agents.tool_prompt import TRAINED_LAYOUT, ToolLayout, recorded_layout, set_tool_layout
 from cgym.trainer.rollout import micro_batches
 from rich.progress import (
     BarColumn,
@@ -63,14 +63,15 @@ def sft(
     (all tokens seen), `loss_tokens` (assistant tokens seen) and `seconds`. `all_tokens` puts the
     loss on every token instead (language-model pre-training on whole transcripts).
     `tool_layout` sets how tools are shown to a model whose template has no tools section
-    (`agents.tool_prompt`; None: the start model's), and the saved model keeps it.
+    (`agents.tool_prompt`; None: the start model's, or `TRAINED_LAYOUT` where it records none),
+    and the saved model keeps it.
     """
     if max_len < 2:
         raise ValueError(f"need max_len >= 2, got {max_len}")
     model_dir_in = resolve_model(model_dir_in)
     tokenizer = load_tokenizer(model_dir_in)
-    if tool_layout is not None:
-        set_tool_layout(tokenizer, tool_layout)
+    tool_layout = tool_layout or recorded_layout(tokenizer) or TRAINED_LAYOUT
+    set_tool_layout(tokenizer, tool_layout)
     examples = encode_demos(ChatEncoder(tokenizer), demos, max_len)
     if all_tokens:
         examples = [(ids, [1] * len(ids)) for ids, _ in examples]

@@ -227,10 +227,16 @@ def test_long_demos_get_fewer_rows_per_micro_batch(width: int, rows: int) -> Non
     assert rows_within_budget(width, 4) == rows
 
 
-def test_sft_in_the_compact_layout_saves_it_with_the_model(tiny_dir: Path, tmp_path: Path) -> None:
-    from cgym.agents.tool_prompt import tool_layout
+def test_sft_saves_its_layout_with_the_model_and_a_later_sft_keeps_it(tiny_dir: Path, tmp_path: Path) -> None:
+    """Given, it is what the model records; not given, the start model's; compact for a model
+    that records none (the model as shipped still renders JSON, its own unrecorded default)."""
+    from cgym.agents.tool_prompt import recorded_layout, tool_layout
 
-    sft(tiny_dir, DEMOS[:2], tmp_path / "compact", epochs=1, batch_size=2, progress=False, tool_layout="compact")
+    def layout(name: str) -> str | None:
+        return recorded_layout(AutoTokenizer.from_pretrained(tmp_path / name))
+
+    assert recorded_layout(AutoTokenizer.from_pretrained(tiny_dir)) is None and tool_layout(AutoTokenizer.from_pretrained(tiny_dir)) == "json"
+    sft(tiny_dir, DEMOS[:2], tmp_path / "json", epochs=1, batch_size=2, progress=False, tool_layout="json")
     sft(tiny_dir, DEMOS[:2], tmp_path / "default", epochs=1, batch_size=2, progress=False)
-    assert tool_layout(AutoTokenizer.from_pretrained(tmp_path / "compact")) == "compact"
-    assert tool_layout(AutoTokenizer.from_pretrained(tmp_path / "default")) == "json"
+    sft(tmp_path / "json", DEMOS[:2], tmp_path / "json-again", epochs=1, batch_size=2, progress=False)
+    assert (layout("json"), layout("default"), layout("json-again")) == ("json", "compact", "json")
