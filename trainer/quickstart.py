@@ -76,6 +76,7 @@ def run(out: Path, plan: QuickstartPlan = QuickstartPlan(), *, console: Console 
     from cgym.agents.eval.compare import compare
     from cgym.agents.eval.evaluate import EvalConfig
     from cgym.agents.eval.report import write_reports
+    from cgym.agents.local.allocator import release_freed_memory
     from cgym.agents.local.hf import HFPolicy
     from cgym.agents.options import SamplingOptions
     from cgym.agents.pretrained import resolve_model
@@ -96,6 +97,7 @@ def run(out: Path, plan: QuickstartPlan = QuickstartPlan(), *, console: Console 
     def phase(name: str) -> None:
         timings[name] = round(time.perf_counter() - started - sum(timings.values()), 1)
         memory[name] = peak_rss_gb()  # the process's high-water mark so far
+        release_freed_memory()  # what the phase freed, back to the OS: the next one's tensors differ in size
         console.print(f"[green]done[/green] {name} in {timings[name]:.0f}s (total {time.perf_counter() - started:.0f}s)")
 
     console.rule(f"1/4 the pretrained model: {plan.model}")
@@ -170,5 +172,6 @@ def _summary(result: dict[str, Any], timings: dict[str, float], memory: dict[str
 
 
 def _timing_md(summary: dict[str, Any]) -> str:
-    rows = "\n".join(f"| {phase} | {seconds:.0f} s |" for phase, seconds in summary["timings_s"].items())
-    return f"## Timings\n\n| phase | time |\n|---|---|\n{rows}\n\nCurve: grpo/curve.png"
+    memory = summary["peak_rss_gb"]
+    rows = "\n".join(f"| {phase} | {seconds:.0f} s | {f'{memory[phase]:.2f} GB' if phase in memory else ''} |" for phase, seconds in summary["timings_s"].items())
+    return f"## Timings\n\n| phase | time | peak memory so far |\n|---|---|---|\n{rows}\n\nCurve: grpo/curve.png"
