@@ -76,7 +76,6 @@ def run(out: Path, plan: QuickstartPlan = QuickstartPlan(), *, console: Console 
     from cgym.agents.eval.compare import compare
     from cgym.agents.eval.evaluate import EvalConfig
     from cgym.agents.eval.report import write_reports
-    from cgym.agents.local.allocator import release_freed_memory
     from cgym.agents.local.hf import HFPolicy
     from cgym.agents.options import SamplingOptions
     from cgym.agents.pretrained import resolve_model
@@ -97,7 +96,6 @@ def run(out: Path, plan: QuickstartPlan = QuickstartPlan(), *, console: Console 
     def phase(name: str) -> None:
         timings[name] = round(time.perf_counter() - started - sum(timings.values()), 1)
         memory[name] = peak_rss_gb()  # the process's high-water mark so far
-        release_freed_memory()  # what the phase freed, back to the OS: the next one's tensors differ in size
         console.print(f"[green]done[/green] {name} in {timings[name]:.0f}s (total {time.perf_counter() - started:.0f}s)")
 
     console.rule(f"1/4 the pretrained model: {plan.model}")

@@ -8,11 +8,6 @@ SmolLM2 went from 79 s to 59 s, and a GRPO step from 152 s to 134 s. The cost: f
 stays with the process, for its next tensors, instead of going back to the OS, and the peak
 resident size grew 10-12% in those runs (9.6 GB against 8.6 GB over an eval and three GRPO
 steps). `CGYM_MALLOC=default` leaves glibc's settings alone.
-
-Between phases whose tensors differ in size (a rollout's caches, then a loss pass's activations)
-the kept memory can be too fragmented to reuse, and the next phase grows the heap past it:
-`release_freed_memory` hands the free pages back at such a boundary, at the price of faulting in
-the next phase's first tensors once.
 """
 
 from __future__ import annotations
@@ -39,21 +34,3 @@ def keep_freed_memory() -> bool:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return bool(mallopt(M_MMAP_THRESHOLD, KEEP_BELOW)) and bool(mallopt(M_TRIM_THRESHOLD, KEEP_BELOW))
-
-
-@cache
-def _libc() -> ctypes.CDLL | None:
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    except OSError:
-        return None
-
-
-def release_freed_memory() -> bool:
-    """Return the heap's free pages to the OS (glibc's `malloc_trim(0)`). True when something
-    was released; False where there was nothing to release, or no glibc."""
-    trim = getattr(_libc(), "malloc_trim", None) if sys.platform.startswith("linux") else None
-    if trim is None:
-        return False
-    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    return bool(trim(0))

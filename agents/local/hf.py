@@ -16,7 +16,7 @@ from typing import Any, Literal
 import torch
 from cgym.agents.base import Conversation, Turn
 from cgym.agents.ledger import ChatEncoder
-from cgym.agents.local.allocator import keep_freed_memory, release_freed_memory
+from cgym.agents.local.allocator import keep_freed_memory
 from cgym.agents.local.batching import kv_budgets, kv_bytes_per_token, length_chunks
 from cgym.agents.local.kv_cache import PrefixCache
 from cgym.agents.local.precision import SamplingWeights, compute_dtype
@@ -122,7 +122,6 @@ class HFPolicy:
         if self.turn_cache is not None:
             self.turn_cache.keep_only(())
         self.sampling_weights.drop_folded()
-        release_freed_memory()  # the caches' sizes rarely fit what comes next (`agents.local.allocator`)
 
     @property
     def stop_ids(self) -> set[int]:
