@@ -35,3 +35,29 @@ def test_gains_pool_over_seeds_on_the_same_episodes(tmp_path: Path) -> None:
         seed["grpo_gain"] = {"mean": 0.25, "low": 0.0, "high": 0.5}
     plot(result, tmp_path / "seeds.png")
     assert (tmp_path / "seeds.png").stat().st_size > 1000
+
+
+def test_each_missing_seed_runs_in_a_process_of_its_own_and_kept_ones_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A seed with a quickstart.json is kept; each other one is `cgym quickstart` in a child
+    process (its peak memory its own), with the layout asked for; memory passes into the result."""
+    import subprocess
+    import sys
+
+    import cgym.benchmarks.quickstart_seeds as bench
+
+    kept = _fake_run(tmp_path / "seed0", {"prompt-only": [0, 0], "SFT": [0, 1], "SFT + GRPO": [1, 1]})
+    summary = json.loads((kept / "quickstart.json").read_text())
+    (kept / "quickstart.json").write_text(json.dumps(summary | {"peak_rss_gb": {"sft": 5.1}}))
+    launched: list[list[str]] = []
+
+    def child(command: list[str], check: bool) -> None:
+        assert check and command[:3] == [sys.executable, "-m", "cgym"]
+        launched.append(command[3:])
+        _fake_run(Path(command[command.index("--out") + 1]), {"prompt-only": [0, 0], "SFT": [1, 0], "SFT + GRPO": [1, 1]})
+
+    monkeypatch.setattr(subprocess, "run", child)
+    bench.main(["--seeds", "0", "1", "--out", str(tmp_path), "--tool-layout", "json", "--json", str(tmp_path / "seeds.json")])
+    assert launched == [["quickstart", "--out", str(tmp_path / "seed1"), "--model", "smollm2-135m", "--tool-layout", "json", "--seed", "1"]]
+    result = json.loads((tmp_path / "seeds.json").read_text())
+    assert result["plan"]["tool_layout"] == "json" and result["seeds"] == [0, 1]
+    assert result["per_seed"]["0"]["peak_rss_gb"] == {"sft": 5.1} and "peak_rss_gb" not in result["per_seed"]["1"]
