@@ -127,6 +127,15 @@ def micro_batches(lengths: Sequence[int], most: int) -> list[list[int]]:
     return chunks
 
 
+def rows_with_signal(batch: Batch, *, with_kl: bool = False) -> list[int]:
+    """Indices of the rows whose policy loss has a gradient: those with a sampled token of nonzero
+    advantage, or every row when a KL term (`with_kl`) pulls on all sampled tokens."""
+    if with_kl:
+        return list(range(batch.ids.shape[0]))
+    advantages = batch.advantages if batch.advantages.dim() == 2 else batch.advantages[:, None].expand_as(batch.mask)
+    return ((advantages != 0) & batch.mask.bool()).any(1).nonzero().squeeze(1).tolist()
+
+
 def slice_batch(batch: Batch, rows: slice | Sequence[int]) -> Batch:
     """A micro-batch (a slice or a list of row indices), trimmed to its own longest row."""
     rows = rows if isinstance(rows, slice) else torch.as_tensor(rows, dtype=torch.long)

@@ -104,6 +104,49 @@ class GrowingLayer(DynamicLayer):
         super().reset()
 
 
+class ReadOnlyLayer(DynamicLayer):
+    """A `DynamicLayer` over fixed (B, H, P, D) keys/values that a pass reads and never extends:
+    `update` returns them followed by the new columns and stores nothing, so a layer that runs
+    twice (recomputed in the backward pass) sees the same cache both times."""
+
+    def __init__(self, keys: Tensor, values: Tensor) -> None:
+        super().__init__()
+        self.keys, self.values = keys, values
+        self.device, self.is_initialized = keys.device, True
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args: object, **kwargs: object) -> tuple[Tensor, Tensor]:
+        return torch.cat([self.keys, key_states], -2), torch.cat([self.values, value_states], -2)
+
+
+class FirstPassLayer(DynamicLayer):
+    """A layer for one pass over an empty cache: it keeps the keys/values of its first update and
+    hands every update's back as they came, so the pass can run again (recomputed in the backward
+    pass) and see an empty cache as the first run did."""
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args: object, **kwargs: object) -> tuple[Tensor, Tensor]:
+        if not self.is_initialized:
+            self.keys, self.values = key_states, value_states
+            self.device, self.is_initialized = key_states.device, True
+        return key_states, value_states
+
+
+def first_pass_cache(model: PreTrainedModel) -> DynamicCache | None:
+    """A `DynamicCache` of `FirstPassLayer`s for `model`, or None where its layers are not all plain
+    (e.g. sliding-window layers)."""
+    cache = dynamic_cache(model)
+    if any(type(layer) is not DynamicLayer for layer in cache.layers):
+        return None
+    cache.layers = [FirstPassLayer() for _ in cache.layers]
+    return cache
+
+
+def read_only_cache(model: PreTrainedModel, keys: Sequence[Tensor], values: Sequence[Tensor]) -> DynamicCache:
+    """A `DynamicCache` for `model` whose layers hold `keys`/`values` (one per layer) as `ReadOnlyLayer`s."""
+    cache = dynamic_cache(model)
+    cache.layers = [ReadOnlyLayer(k, v) for k, v in zip(keys, values, strict=True)]
+    return cache
+
+
 def dynamic_cache(model: PreTrainedModel) -> DynamicCache:
     """transformers' `DynamicCache`, laid out for `model`'s layer types where the version can."""
     try:

@@ -17,13 +17,21 @@ from functools import cache
 from typing import Any
 
 import torch
-from cgym.agents.local.kv_cache import GrowingLayer, PrefixCache, dynamic_cache, growing_cache, shared_prefix, use_prefix_attention
+from cgym.agents.local.kv_cache import (
+    GrowingLayer,
+    PrefixCache,
+    dynamic_cache,
+    first_pass_cache,
+    growing_cache,
+    read_only_cache,
+    shared_prefix,
+    use_prefix_attention,
+)
 from cgym.agents.local.lookup import LOOKUP_ROWS, LOOKUP_TOKENS, PromptLookup
 from cgym.agents.local.turn_cache import Reuse, TurnCache
 from cgym.agents.options import SamplingOptions
 from torch import Tensor
 from transformers import PreTrainedModel
-from transformers.cache_utils import DynamicLayer
 
 
 @dataclass(frozen=True)
@@ -118,7 +126,8 @@ def _prefix_shared_logprobs(
     the shared pass (each row gathers its own target) and the rest from the batched pass."""
     batch, width = input_ids.shape
     cache_name = _forward_kwargs(model)[0]
-    cache = dynamic_cache(model)
+    first = first_pass_cache(model)  # the prefix pass and the tail's may each run twice (recomputed layers)
+    cache = first if first is not None else dynamic_cache(model)
     head = _kept_columns(columns, 0, shared, model)
     out = model(
         input_ids=input_ids[:1, :shared],
@@ -129,7 +138,10 @@ def _prefix_shared_logprobs(
     head = head if head is not None else torch.arange(shared, device=input_ids.device)
     head_logits = out.logits.expand(batch, -1, -1)  # (B, K0, V)
     head_lp = _target_logprobs(head_logits, input_ids[:, 1:][:, head], scale)
-    cache.batch_repeat_interleave(batch)
+    if first is not None:
+        cache = read_only_cache(model, *([x.expand(batch, -1, -1, -1) for x in kv] for kv in _layer_kv(first)))
+    else:
+        cache.batch_repeat_interleave(batch)
     tail, tail_lp = _tail_logprobs(model, input_ids, attention_mask, cache, shared, columns, scale)
     return _scatter_columns(torch.cat([head_lp, tail_lp], 1), torch.cat([head, tail]), width - 1)
 
@@ -171,16 +183,13 @@ class SharedHead:
         return int(self.ids.shape[0])
 
     def cache_for(self, model: PreTrainedModel, input_ids: Tensor, attention_mask: Tensor, columns: Tensor | None) -> Any:
-        """A cache holding the head once per row of (B, T) `input_ids`, which must start with it."""
+        """A read-only cache holding the head once per row of (B, T) `input_ids`, which must start with it."""
         length, batch = self.length, input_ids.shape[0]
         if input_ids.shape[1] <= length or not bool((input_ids[:, :length] == self.ids).all() and attention_mask[:, :length].all()):
             raise ValueError("every row must start with the shared head's ids, unpadded, and go on after them")
         if columns is None or bool(columns[:length].any()):
             raise ValueError("targets inside a shared head cannot be scored: pass a mask that wants none of them")
-        cache = dynamic_cache(model)
-        for layer, (k, v) in enumerate(zip(self.keys, self.values, strict=True)):
-            cache.update(k.expand(batch, -1, -1, -1), v.expand(batch, -1, -1, -1), layer)
-        return cache
+        return read_only_cache(model, [k.expand(batch, -1, -1, -1) for k in self.keys], [v.expand(batch, -1, -1, -1) for v in self.values])
 
     def backward(self) -> None:
         """Backpropagate the gradients the micro-batches left on the head's keys/values."""
@@ -192,14 +201,20 @@ class SharedHead:
 def shared_head(model: PreTrainedModel, ids: Tensor) -> SharedHead | None:
     """Run the (P,) `ids` through `model` once (with autograd where enabled) as a `SharedHead`;
     None for a model whose LM head cannot be skipped or whose cache is not plain per layer."""
-    cache = dynamic_cache(model)
-    if not _forward_kwargs(model)[1] or any(type(layer) is not DynamicLayer for layer in cache.layers):
+    cache = first_pass_cache(model)
+    if not _forward_kwargs(model)[1] or cache is None:
         return None
     model(input_ids=ids[None], use_cache=True, logits_to_keep=1, **{_forward_kwargs(model)[0]: cache})
-    outputs = [layer.keys for layer in cache.layers] + [layer.values for layer in cache.layers]
+    keys, values = _layer_kv(cache)
+    outputs = keys + values
     leaves = [out.detach().requires_grad_(out.requires_grad) for out in outputs]
     n = len(cache.layers)
     return SharedHead(ids, leaves[:n], leaves[n:], outputs)
+
+
+def _layer_kv(cache: Any) -> tuple[list[Tensor], list[Tensor]]:
+    """A cache's keys and values, one tensor per layer each."""
+    return [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers]
 
 
 def _kept_columns(columns: Tensor | None, start: int, stop: int, model: PreTrainedModel) -> Tensor | None:

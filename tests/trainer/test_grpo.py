@@ -144,6 +144,80 @@ def test_micro_batch_split_does_not_change_the_update(tiny_model: Path, tmp_path
     assert all(torch.allclose(x, y, atol=1e-5, rtol=1e-4) for x, y in zip(grads_a, grads_b))
 
 
+def _flat_first_group(state, step):
+    """A step's rollout with its first group's rewards made equal: the group then has nothing to learn."""
+    import cgym.trainer.grpo as grpo
+
+    trajs = grpo._rollout_groups(state, [0, 1], [state.config.env_id] * 2, step)
+    for t in trajs:
+        if t.group == 0:
+            t.reward = 0.25
+    return trajs
+
+
+@pytest.mark.parametrize("flat_groups", [1, 2], ids=["one-flat-group", "all-flat"])
+def test_rows_with_nothing_to_learn_never_run_and_leave_the_update_unchanged(tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flat_groups: int) -> None:
+    """A group whose rewards are all equal has advantage 0 on every token: skipping its rows must
+    give the update (and loss) of running them, and the loss pass must not see them."""
+    import cgym.trainer.grpo as grpo
+
+    fed: list[int] = []
+    real_logprobs = grpo.sequence_logprobs
+    monkeypatch.setattr(grpo, "sequence_logprobs", lambda model, ids, *a, **kw: fed.append(ids.shape[0]) or real_logprobs(model, ids, *a, **kw))
+    results = {}
+    for skip in (True, False):
+        if not skip:
+            monkeypatch.setattr(grpo, "rows_with_signal", lambda batch, with_kl=False: list(range(batch.ids.shape[0])))
+        state = setup(_config(tiny_model, tmp_path / f"skip{skip}", micro_batch_size=4), make_env=_toy)
+        state.optimizer = torch.optim.SGD(state.model.parameters(), lr=1.0)
+        state.scheduler = torch.optim.lr_scheduler.LambdaLR(state.optimizer, lambda s: 1.0)
+        trajs = _flat_first_group(state, 1)
+        if flat_groups == 2:
+            for t in trajs:
+                t.reward = 0.25
+        advantages, _, _ = grpo._advantages(state, trajs)
+        start = [p.detach().clone() for p in state.model.parameters()]
+        fed.clear()
+        row = grpo._update(state, trajs, advantages, 1)
+        results[skip] = (row, [p.detach() - s for p, s in zip(state.model.parameters(), start)], sum(fed))
+    (row_a, moves_a, fed_a), (row_b, moves_b, fed_b) = results[True], results[False]
+    assert fed_b == 16 and fed_a == 16 - 8 * flat_groups
+    assert row_a["train_tokens"] == row_b["train_tokens"]  # metrics still count every row
+    assert row_a["loss"] == pytest.approx(row_b["loss"], rel=1e-4, abs=1e-6)
+    assert all(torch.allclose(x, y, atol=1e-6, rtol=1e-4) for x, y in zip(moves_a, moves_b))
+    assert any(m.abs().max() > 0 for m in moves_a) == (flat_groups == 1)
+
+
+def test_rows_past_the_token_budget_are_recomputed_to_the_same_update(tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a budget every row passes, the head and each micro-batch run under recomputed layers,
+    and the step's loss and weights come out as without."""
+    import cgym.trainer.grpo as grpo
+
+    entered: list[int] = []
+    real = grpo.recomputed_layers
+
+    def spy(model):
+        entered.append(1)
+        return real(model)
+
+    monkeypatch.setattr(grpo, "recomputed_layers", spy)
+    results = []
+    for budget in (10**9, 1):
+        monkeypatch.setattr(grpo, "TOKEN_BUDGET", budget)
+        state = setup(_config(tiny_model, tmp_path / f"budget{budget}", micro_batch_size=4), make_env=_toy)
+        state.optimizer = torch.optim.SGD(state.model.parameters(), lr=1.0)
+        state.scheduler = torch.optim.lr_scheduler.LambdaLR(state.optimizer, lambda s: 1.0)
+        start = [p.detach().clone() for p in state.model.parameters()]
+        entered.clear()
+        row = train_step(state, 1)
+        results.append((row, [p.detach() - s for p, s in zip(state.model.parameters(), start)], len(entered)))
+    (row_a, moves_a, entered_a), (row_b, moves_b, entered_b) = results
+    assert entered_a == 0 and entered_b >= 2  # the head, then every micro-batch
+    assert row_a["loss"] == pytest.approx(row_b["loss"], rel=1e-5, abs=1e-7)
+    assert any(m.abs().max() > 0 for m in moves_a)
+    assert all(torch.allclose(x, y, atol=1e-6, rtol=1e-4) for x, y in zip(moves_a, moves_b))
+
+
 @pytest.mark.parametrize("trainable,moved,frozen", [("attention", ("self_attn",), ("mlp", "norm", "embed_tokens")), ("no_embeddings", ("self_attn", "mlp", "norm"), ("embed_tokens",))])
 def test_trainable_limits_which_weights_move(tiny_model: Path, tmp_path: Path, trainable: str, moved: tuple[str, ...], frozen: tuple[str, ...]) -> None:
     state = setup(_config(tiny_model, tmp_path / trainable, trainable=trainable), make_env=_toy)

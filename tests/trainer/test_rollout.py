@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cgym.trainer.rollout import ATTENTION_BUDGET, TOKEN_BUDGET, Trajectory, micro_batches, pack, rows_within_budget, slice_batch
+from cgym.trainer.rollout import ATTENTION_BUDGET, TOKEN_BUDGET, Trajectory, micro_batches, pack, rows_with_signal, rows_within_budget, slice_batch
 
 
 @pytest.mark.parametrize(
@@ -33,3 +33,18 @@ def test_a_micro_batch_of_listed_rows_is_trimmed_to_its_longest() -> None:
     mb = slice_batch(batch, [2, 0])
     assert mb.ids.shape == (2, 5) and mb.mask.shape == (2, 4)
     assert mb.advantages.tolist() == [0.5, 1.0]
+
+
+def _row(n: int, group: int) -> Trajectory:
+    return Trajectory(ids=list(range(n)), mask=[0, 0] + [1] * (n - 2), logprobs=[0.0] * n, reward=0.0, success=False, group=group, truncated=False)
+
+
+def test_rows_with_signal_are_those_with_a_nonzero_advantage_on_a_sampled_token() -> None:
+    trajs = [_row(n, g) for n, g in ((6, 0), (4, 0), (5, 1), (6, 1))]
+    per_row = pack(trajs, torch.tensor([0.0, 0.0, 1.5, -1.5]), pad_id=0)
+    assert rows_with_signal(per_row) == [2, 3]
+    assert rows_with_signal(per_row, with_kl=True) == [0, 1, 2, 3]  # the KL term pulls on every sampled token
+    # Per token: row 0's only nonzero value sits on an unsampled position, row 1's on a sampled one.
+    per_token = pack(trajs, torch.zeros(4), pad_id=0, token_advantages=[[0.7, 0, 0, 0, 0, 0], [0, 0, 0, 0.7], None, None])
+    assert rows_with_signal(per_token) == [1]
+    assert rows_with_signal(pack(trajs, torch.zeros(4), pad_id=0)) == []

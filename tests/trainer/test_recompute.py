@@ -1,0 +1,70 @@
+"""Recomputed layers: the same log-probs and gradients, fewer activations kept, each layer run twice."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from cgym.agents.local.sampling import sequence_logprobs, shared_head
+from cgym.trainer.recompute import decoder_layers, recomputed_layers
+from transformers import AutoModelForCausalLM
+
+
+def _batch(rows: int = 3, width: int = 60, shared: int = 20) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, 500, (rows, width), generator=generator)
+    ids[:, :shared] = ids[0, :shared]
+    mask = torch.zeros(rows, width - 1)
+    mask[:, shared + 5 :] = 1
+    return ids, torch.ones_like(ids), mask
+
+
+def _pass(model_dir: Path, *, recompute: bool, path: str, lora: bool = False) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """Log-probs, the flat gradient, bytes kept for the backward pass, attention calls."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    ids, attention, mask = _batch()
+    kept, calls = [0], [0]
+    hooks = [layer.self_attn.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1)) for layer in decoder_layers(model)]
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        kept[0] += tensor.numel() * tensor.element_size()
+        return tensor
+
+    with recomputed_layers(model) if recompute else torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        head = shared_head(model, ids[0, :20]) if path == "head" else None
+        logp = sequence_logprobs(model, ids, attention, mask=mask, head=head, share_prefix=path == "prefix")
+    (logp * mask).sum().backward()
+    if head is not None:
+        head.backward()
+    for hook in hooks:
+        hook.remove()
+    grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+    return logp.detach() * mask, grads, kept[0], calls[0]
+
+
+@pytest.mark.parametrize("path", ["plain", "prefix", "head"])
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_recomputed_layers_give_the_same_gradients_from_fewer_kept_activations(tiny_chat_model: Path, path: str, lora: bool) -> None:
+    plain_lp, plain_grad, plain_kept, plain_calls = _pass(tiny_chat_model, recompute=False, path=path, lora=lora)
+    lp, grad, kept, calls = _pass(tiny_chat_model, recompute=True, path=path, lora=lora)
+    assert plain_grad.abs().sum() > 0
+    torch.testing.assert_close(lp, plain_lp, atol=1e-6, rtol=0)
+    torch.testing.assert_close(grad, plain_grad, atol=1e-6, rtol=1e-5)
+    assert calls == 2 * plain_calls  # every attention ran again in the backward pass
+    assert kept < plain_kept / 2
+
+
+def test_layers_are_restored_after_the_block(tiny_chat_model: Path) -> None:
+    model = AutoModelForCausalLM.from_pretrained(tiny_chat_model)
+    with recomputed_layers(model) as covered:
+        assert covered == len(decoder_layers(model)) == model.config.num_hidden_layers
+        assert all("forward" in vars(layer) for layer in decoder_layers(model))
+    assert not any("forward" in vars(layer) for layer in decoder_layers(model))
+    with recomputed_layers(torch.nn.Linear(2, 2)) as covered:
+        assert covered == 0

@@ -1,0 +1,39 @@
+"""Activation recomputation for rows too long to keep a loss pass's activations.
+
+A training pass keeps what each decoder layer computed until the backward pass needs it: about
+1.3 MB a token for SmolLM2-135M in fp32, so one 3,500-token ApiReport medium row held ~4.5 GB.
+Under `recomputed_layers` each layer keeps only its input (~69 KB a token over SmolLM2's 30
+layers) and runs again, one layer at a time, when the backward pass reaches it: one more forward
+pass for those rows, and the same gradients. Caches the layers read must not grow when a layer
+runs twice (`agents.local.kv_cache.ReadOnlyLayer`), which is how `sequence_logprobs` hands its
+prefix and shared head to the rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import partial
+
+import torch
+from torch.utils.checkpoint import checkpoint
+from transformers.modeling_layers import GradientCheckpointingLayer
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """`model`'s decoder layers (through any wrapper, e.g. peft's): transformers' checkpointable layers."""
+    return [module for module in model.modules() if isinstance(module, GradientCheckpointingLayer)]
+
+
+@contextmanager
+def recomputed_layers(model: torch.nn.Module) -> Iterator[int]:
+    """Within the block, `model`'s decoder layers keep only their inputs for the backward pass and
+    recompute the rest there. Yields how many layers that covers (0: none found, nothing changes)."""
+    layers = decoder_layers(model)
+    for layer in layers:
+        layer.forward = partial(checkpoint, layer.forward, use_reentrant=False)  # the instance's, over the class's
+    try:
+        yield len(layers)
+    finally:
+        for layer in layers:
+            del layer.forward
