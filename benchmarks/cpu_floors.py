@@ -177,7 +177,7 @@ def grpo_steps(model: str, steps: int, out: Path, draft_tokens: int = LOOKUP_TOK
         if step > 1:
             times.append(elapsed)
             counts.append(count)
-            rows.append({k: row[k] for k in ("step_time_s", "rollout_time_s", "train_tokens", "success_rate", "memory/peak_after_sampling_gb", "memory/peak_gb") if k in row})
+            rows.append({k: row[k] for k in ("step_time_s", "rollout_time_s", "train_tokens", "trained_rows", "success_rate", "memory/peak_after_sampling_gb", "memory/peak_gb") if k in row})
     return times, counts, rows
 
 

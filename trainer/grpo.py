@@ -499,7 +499,7 @@ def _update(state: TrainState, trajs: list[Trajectory], advantages: torch.Tensor
         state.optimizer.step()
         state.scheduler.step()
         state.optimizer.zero_grad(set_to_none=True)
-    return _update_metrics(world, batch, totals, n_micro, cfg.num_iterations, float(grad_norm))
+    return {**_update_metrics(world, batch, totals, n_micro, cfg.num_iterations, float(grad_norm)), "trained_rows": int(world.sum([len(learning)])[0])}
 
 
 def _batch_head(model: torch.nn.Module, batch: Batch | None, *, recompute: bool = False) -> SharedHead | None:

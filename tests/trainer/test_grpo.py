@@ -182,6 +182,7 @@ def test_rows_with_nothing_to_learn_never_run_and_leave_the_update_unchanged(tin
         results[skip] = (row, [p.detach() - s for p, s in zip(state.model.parameters(), start)], sum(fed))
     (row_a, moves_a, fed_a), (row_b, moves_b, fed_b) = results[True], results[False]
     assert fed_b == 16 and fed_a == 16 - 8 * flat_groups
+    assert row_a["trained_rows"] == 16 - 8 * flat_groups
     assert row_a["train_tokens"] == row_b["train_tokens"]  # metrics still count every row
     assert row_a["loss"] == pytest.approx(row_b["loss"], rel=1e-4, abs=1e-6)
     assert all(torch.allclose(x, y, atol=1e-6, rtol=1e-4) for x, y in zip(moves_a, moves_b))
