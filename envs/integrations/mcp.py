@@ -165,8 +165,8 @@ def serve_stdio(env_id: str, *, env_kwargs: Mapping[str, Any] | None = None, see
     server = build_server(episode)
 
     async def run() -> None:
-        async with stdio_server() as (read, write), _answering_bad_lines(read, write) as messages:
-            await server.run(messages, write, server.create_initialization_options())
+        async with stdio_server() as (read, write), _answering_bad_lines(read, write) as (messages, replies):
+            await server.run(messages, replies, server.create_initialization_options())
 
     try:
         anyio.run(run)
@@ -174,24 +174,51 @@ def serve_stdio(env_id: str, *, env_kwargs: Mapping[str, Any] | None = None, see
         episode.close()
 
 
+DRAIN_S = 30.0  # once the client's input ends, how long the requests it sent may still take to answer
+
+
 @asynccontextmanager
-async def _answering_bad_lines(read: Any, write: Any) -> AsyncIterator[Any]:
-    """The client's messages, with every line that is not one JSON-RPC 2.0 message answered at
-    once with a JSON-RPC error (id null: it could not be read) instead of passed on, where the
-    SDK would log it and leave the client waiting for a reply that never comes."""
+async def _answering_bad_lines(read: Any, write: Any) -> AsyncIterator[tuple[Any, Any]]:
+    """(messages, replies) streams for the server: every line of the client's that is not one
+    JSON-RPC 2.0 message is answered at once with a JSON-RPC error (id null: it could not be read)
+    instead of passed on, where the SDK would log it and leave the client waiting for a reply that
+    never comes. When the input ends, the server sees its end only once every request read has
+    been answered (within `DRAIN_S`): the SDK cancels the requests still in flight at that point,
+    so a client that writes its requests and closes its side (`cgym serve --mcp < requests`) would
+    lose the replies of the last ones."""
     send, receive = anyio.create_memory_object_stream[Any](0)
+    replies, outgoing = anyio.create_memory_object_stream[Any](0)
+    pending: set[Any] = set()
 
     async def pump() -> None:
         async with send:
             async for item in read:
                 if isinstance(item, Exception):
                     await write.send(SessionMessage(types.JSONRPCError(jsonrpc="2.0", id=None, error=_bad_line(item))))
-                else:
-                    await send.send(item)
+                    continue
+                if isinstance(item.message, types.JSONRPCRequest):
+                    pending.add(item.message.id)
+                await send.send(item)
+            with anyio.move_on_after(DRAIN_S):
+                while pending:
+                    await anyio.sleep(0.01)
+
+    forwarded = anyio.Event()
+
+    async def forward() -> None:
+        async with outgoing:
+            async for item in outgoing:
+                await write.send(item)
+                if isinstance(item.message, (types.JSONRPCResponse, types.JSONRPCError)):
+                    pending.discard(item.message.id)
+        await write.aclose()
+        forwarded.set()
 
     async with anyio.create_task_group() as group:
         group.start_soon(pump)
-        yield receive
+        group.start_soon(forward)
+        yield receive, replies
+        await forwarded.wait()  # the server closed its side: every reply is written
         group.cancel_scope.cancel()
 
 

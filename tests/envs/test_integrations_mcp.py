@@ -133,6 +133,42 @@ def test_every_line_that_is_not_a_message_gets_an_error_reply() -> None:
     assert "Traceback" not in done.stderr
 
 
+def test_requests_read_before_the_input_ends_are_all_answered() -> None:
+    """The SDK cancels the requests in flight when the client's input ends; requests already read
+    (slow ones here) are answered first, then the server stops."""
+    from cgym.envs.integrations.mcp import _answering_bad_lines
+    from mcp import types
+    from mcp.server.lowlevel import Server
+    from mcp.shared.message import SessionMessage
+
+    async def slow_tools(ctx: Any, params: Any) -> types.ListToolsResult:
+        await anyio.sleep(0.2)
+        return types.ListToolsResult(tools=[])
+
+    server = Server("slow", on_list_tools=slow_tools)
+    hello = types.InitializeRequestParams(protocol_version="2025-06-18", capabilities=types.ClientCapabilities(), client_info=types.Implementation(name="t", version="0"))
+    lines = [
+        types.JSONRPCRequest(jsonrpc="2.0", id=0, method="initialize", params=hello.model_dump(by_alias=True, exclude_none=True)),
+        types.JSONRPCNotification(jsonrpc="2.0", method="notifications/initialized"),
+        *(types.JSONRPCRequest(jsonrpc="2.0", id=n, method="tools/list") for n in (1, 2, 3)),
+    ]
+
+    async def play() -> list[Any]:
+        to_server, read = anyio.create_memory_object_stream[Any](len(lines))
+        write, from_server = anyio.create_memory_object_stream[Any](100)
+        for line in lines:
+            to_server.send_nowait(SessionMessage(line))
+        to_server.close()  # the input ends right after the last request
+        with anyio.fail_after(20):
+            async with _answering_bad_lines(read, write) as (messages, replies):
+                await server.run(messages, replies, server.create_initialization_options())
+        return [item.message async for item in from_server]  # the server closed its side: this ends
+
+    replies = anyio.run(play)
+    assert sorted(r.id for r in replies) == [0, 1, 2, 3]
+    assert all(isinstance(r, types.JSONRPCResponse) for r in replies)
+
+
 def test_a_bad_prompt_or_resource_name_is_an_invalid_params_error() -> None:
     from mcp.shared.exceptions import MCPError
 
