@@ -12,6 +12,7 @@ import math
 import random
 import time
 from collections.abc import Iterator, Sequence
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,8 @@ from cgym.agents.local.precision import autocast
 from cgym.agents.local.sampling import sequence_logprobs
 from cgym.agents.pretrained import resolve_model
 from cgym.agents.tool_prompt import TRAINED_LAYOUT, ToolLayout, recorded_layout, set_tool_layout
-from cgym.trainer.rollout import micro_batches
+from cgym.trainer.recompute import recomputed_layers
+from cgym.trainer.rollout import TOKEN_BUDGET, micro_batches
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -187,7 +189,8 @@ def accumulate_sft_loss(model: PreTrainedModel, ids: Tensor, attention: Tensor, 
 
     Each micro-batch's summed token loss is divided by the whole batch's loss-token count, so
     the gradients equal one pass over the batch while the activations held for the backward
-    pass stay those of a micro-batch (SmolLM2 with 8 demos of ~900 tokens held ~15 GB at once).
+    pass stay those of a micro-batch (SmolLM2 with 8 demos of ~900 tokens held ~15 GB at once);
+    a demo past the token budget runs alone with its layers recomputed (`trainer.recompute`).
     Returns the (detached) batch loss.
     """
     total = loss_mask[:, 1:].sum().clamp(min=1.0)
@@ -195,7 +198,8 @@ def accumulate_sft_loss(model: PreTrainedModel, ids: Tensor, attention: Tensor, 
     for chunk in micro_batches(attention.sum(-1).tolist(), micro_batch_size):  # sized by length, as GRPO's
         rows = torch.as_tensor(chunk, dtype=torch.long)
         width = int(attention[rows].sum(-1).max())  # right padding: trim to this chunk's longest row
-        with autocast(model):
+        long_row = recomputed_layers(model) if len(chunk) * width > TOKEN_BUDGET else nullcontext()  # one demo past the budget
+        with autocast(model), long_row:
             part = sft_loss(model, ids[rows, :width], attention[rows, :width], loss_mask[rows, :width])
         part = part * loss_mask[rows, 1:width].sum() / total
         part.backward()

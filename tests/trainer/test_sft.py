@@ -203,11 +203,18 @@ def test_fit_trains_on_ready_examples(tiny_dir: Path, tokenizer, tmp_path: Path)
         fit(tiny_dir, [], tmp_path, progress=False)
 
 
-@pytest.mark.parametrize("micro", [1, 3, 8], ids=["rows-1", "rows-3", "whole"])
-def test_micro_batches_give_the_whole_batch_gradient(tiny_chat_model, micro: int) -> None:
+@pytest.mark.parametrize(("micro", "budget"), [(1, None), (3, None), (8, None), (3, 1)], ids=["rows-1", "rows-3", "whole", "recomputed"])
+def test_micro_batches_give_the_whole_batch_gradient(tiny_chat_model, monkeypatch: pytest.MonkeyPatch, micro: int, budget: int | None) -> None:
+    """However the batch is split, and with every micro-batch's layers recomputed (a budget each passes)."""
+    import cgym.trainer.sft as sft
     from cgym.trainer.sft import accumulate_sft_loss, collate, sft_loss
     from transformers import AutoModelForCausalLM
 
+    recomputed: list[int] = []
+    if budget is not None:
+        real = sft.recomputed_layers
+        monkeypatch.setattr(sft, "TOKEN_BUDGET", budget)
+        monkeypatch.setattr(sft, "recomputed_layers", lambda model: recomputed.append(1) or real(model))
     model = AutoModelForCausalLM.from_pretrained(tiny_chat_model)
     rows = [(list(range(5, 5 + n)), [0] * (n // 2) + [1] * (n - n // 2)) for n in (6, 9, 12, 15, 20, 7)]
     ids, attention, mask = collate(rows, pad_id=0)
@@ -218,6 +225,7 @@ def test_micro_batches_give_the_whole_batch_gradient(tiny_chat_model, micro: int
     torch.testing.assert_close(loss, sft_loss(model, ids, attention, mask).detach(), atol=1e-5, rtol=1e-5)
     for name, param in model.named_parameters():
         torch.testing.assert_close(param.grad, want[name], atol=1e-5, rtol=1e-4)
+    assert len(recomputed) == (2 if budget is not None else 0)  # 6 rows, 3 a micro-batch
 
 
 @pytest.mark.parametrize(("width", "rows"), [(100, 4), (500, 4), (900, 2), (1400, 1), (5000, 1)], ids=["short", "easy-compact", "easy-json", "medium", "huge"])
