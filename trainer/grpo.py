@@ -51,7 +51,7 @@ from cgym.trainer.losses import policy_loss, rft_weights, turn_advantages, unifi
 from cgym.trainer.metrics import HackingMonitor, MetricsLog, Outcome, env_metrics, peak_rss_gb, plot_curve, rollout_metrics
 from cgym.trainer.recompute import recomputed_layers
 from cgym.trainer.refine import rebase, sample_subset, select_refinements, should_refine
-from cgym.trainer.rollout import TOKEN_BUDGET, Batch, Trajectory, micro_batches, pack, rows_with_signal, slice_batch, spread_over_tokens
+from cgym.trainer.rollout import TOKEN_BUDGET, Batch, Trajectory, group_micro_batches, pack, rows_with_signal, slice_batch, spread_over_tokens
 from cgym.trainer.run_folder import CONFIG_FILE, check_out, check_same_run, clear_run
 from cgym.trainer.samplers.served import PushedSampler, ServedPolicy
 from rich.console import Console
@@ -458,7 +458,7 @@ def _update(state: TrainState, trajs: list[Trajectory], advantages: torch.Tensor
     # counted in the normalizer above and metrics below, and never run.
     learning = rows_with_signal(batch, with_kl=cfg.beta > 0) if batch is not None else []
     moving = slice_batch(batch, learning) if batch is not None and learning else None
-    chunks = micro_batches([len(trajs[row].ids) for row in learning], cfg.micro_batch_size)  # sized by length, like SFT's
+    chunks = group_micro_batches([trajs[row].ids for row in learning], [trajs[row].group for row in learning], cfg.micro_batch_size)  # sized by length, like SFT's
     for iteration in range(cfg.num_iterations):
         head = _batch_head(state.model, moving, recompute=moving is not None and moving.ids.shape[1] > TOKEN_BUDGET)  # run once per optimizer step
         for chunk, rows in enumerate(chunks):

@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 
 import torch
 from cgym.agents.eval.episodes import EpisodeResult
+from cgym.agents.local.sampling import MIN_SHARED_PREFIX, common_prefix_len
 from torch import Tensor
 
 
@@ -125,6 +126,33 @@ def micro_batches(lengths: Sequence[int], most: int) -> list[list[int]]:
         chunks.append(order[:take])
         order = order[take:]
     return chunks
+
+
+def group_micro_batches(ids: Sequence[Sequence[int]], groups: Sequence[int], most: int) -> list[list[int]]:
+    """`micro_batches`, or micro-batches that keep each group's rows together where that runs
+    fewer columns (`loss_pass_columns`). A GRPO group's rows share their task prompt, and often
+    their first turns, which the loss pass runs once per micro-batch (`sequence_logprobs`); rows
+    sorted by length across groups pad less but share only the system prompt."""
+    by_length = micro_batches([len(row) for row in ids], most)
+    members: dict[int, list[int]] = {}
+    for row, group in enumerate(groups):
+        members.setdefault(group, []).append(row)
+    by_group = [[rows[i] for i in chunk] for rows in members.values() for chunk in micro_batches([len(ids[row]) for row in rows], most)]
+    return min(by_length, by_group, key=lambda plan: loss_pass_columns(ids, plan))
+
+
+def loss_pass_columns(ids: Sequence[Sequence[int]], plan: Sequence[Sequence[int]]) -> int:
+    """Columns a loss pass over `plan`'s micro-batches runs after the head all rows share: the
+    columns a micro-batch's rows share after it once (where there are `MIN_SHARED_PREFIX` of
+    them), then each row's columns after those, padded to its micro-batch's longest row."""
+    head = common_prefix_len(ids) if len(ids) > 1 else 0
+    total = 0
+    for chunk in plan:
+        rows = [ids[row] for row in chunk]
+        shared = common_prefix_len(rows) if len(rows) > 1 else head
+        shared = shared if shared - head >= MIN_SHARED_PREFIX else head
+        total += shared - head + len(rows) * (max(len(row) for row in rows) - shared)
+    return total
 
 
 def rows_with_signal(batch: Batch, *, with_kl: bool = False) -> list[int]:

@@ -118,6 +118,20 @@ class ReadOnlyLayer(DynamicLayer):
         return torch.cat([self.keys, key_states], -2), torch.cat([self.values, value_states], -2)
 
 
+class ExtendingLayer(ReadOnlyLayer):
+    """A `ReadOnlyLayer` that also keeps the new columns of its first update (`new_keys`,
+    `new_values`): a pass that extends a fixed cache, whose keys/values later passes read, and
+    that may run twice (recomputed) without extending it twice."""
+
+    new_keys: Tensor | None = None
+    new_values: Tensor | None = None
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args: object, **kwargs: object) -> tuple[Tensor, Tensor]:
+        if self.new_keys is None:
+            self.new_keys, self.new_values = key_states, value_states
+        return super().update(key_states, value_states)
+
+
 class FirstPassLayer(DynamicLayer):
     """A layer for one pass over an empty cache: it keeps the keys/values of its first update and
     hands every update's back as they came, so the pass can run again (recomputed in the backward
@@ -144,6 +158,13 @@ def read_only_cache(model: PreTrainedModel, keys: Sequence[Tensor], values: Sequ
     """A `DynamicCache` for `model` whose layers hold `keys`/`values` (one per layer) as `ReadOnlyLayer`s."""
     cache = dynamic_cache(model)
     cache.layers = [ReadOnlyLayer(k, v) for k, v in zip(keys, values, strict=True)]
+    return cache
+
+
+def extending_cache(model: PreTrainedModel, keys: Sequence[Tensor], values: Sequence[Tensor]) -> DynamicCache:
+    """`read_only_cache` whose layers keep what one pass adds after `keys`/`values` (`ExtendingLayer`)."""
+    cache = dynamic_cache(model)
+    cache.layers = [ExtendingLayer(k, v) for k, v in zip(keys, values, strict=True)]
     return cache
 
 

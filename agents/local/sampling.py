@@ -21,6 +21,7 @@ from cgym.agents.local.kv_cache import (
     GrowingLayer,
     PrefixCache,
     dynamic_cache,
+    extending_cache,
     first_pass_cache,
     growing_cache,
     read_only_cache,
@@ -70,13 +71,18 @@ def sequence_logprobs(
     columns that every row shares (same ids, no padding: a system prompt, a group's prompt) go
     through the model once and reach the other rows through the KV cache; the result is the same
     up to float rounding, and so are the gradients. A `head` (from `shared_head`) is a prefix
-    already run for the whole batch: the rows attend to it and only their columns after it run.
+    already run for the whole batch: the rows attend to it and only their columns after it run;
+    with `share_prefix`, the columns after it that every row shares (a GRPO group's task prompt,
+    and the turns its rows took alike) run once too.
     """
     scale = temperature if temperature > 0 else 1.0
     use_prefix_attention(model)  # grouped kv heads in place (CPU), as when sampling
     columns = None if mask is None else mask.bool().any(0)  # (T-1,) columns to compute
     if head is not None:
         cache = head.cache_for(model, input_ids, attention_mask, columns)
+        shared = shared_prefix_len(input_ids, attention_mask) if share_prefix else 0
+        if shared - head.length >= MIN_SHARED_PREFIX:
+            return _past_head_logprobs(model, input_ids, attention_mask, head, shared, columns, scale)
         tail, values = _tail_logprobs(model, input_ids, attention_mask, cache, head.length, columns, scale)
         return _scatter_columns(values, tail, input_ids.shape[1] - 1)
     shared = shared_prefix_len(input_ids, attention_mask) if share_prefix else 0
@@ -144,6 +150,39 @@ def _prefix_shared_logprobs(
         cache.batch_repeat_interleave(batch)
     tail, tail_lp = _tail_logprobs(model, input_ids, attention_mask, cache, shared, columns, scale)
     return _scatter_columns(torch.cat([head_lp, tail_lp], 1), torch.cat([head, tail]), width - 1)
+
+
+def _past_head_logprobs(
+    model: PreTrainedModel,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    head: SharedHead,
+    shared: int,
+    columns: Tensor | None,
+    scale: float,
+) -> Tensor:
+    """`sequence_logprobs` after a shared `head` whose rows also share ids [head.length, shared):
+    those run once (batch 1) attending to the head, and the rows' own columns attend to both.
+    Targets in the shared columns are scored from that one pass, each row gathering its own
+    (the last one's target is the first id where the rows differ)."""
+    batch, width, start = input_ids.shape[0], input_ids.shape[1], head.length
+    cache_name = _forward_kwargs(model)[0]
+    extended = extending_cache(model, head.keys, head.values)  # may run twice (recomputed layers)
+    kept = _kept_columns(columns, start, shared, model)
+    kept = kept if kept is not None else torch.arange(start, shared, device=input_ids.device)
+    out = model(
+        input_ids=input_ids[:1, start:shared],
+        attention_mask=attention_mask[:1, :shared],
+        position_ids=torch.arange(start, shared, device=input_ids.device)[None],
+        use_cache=True,
+        logits_to_keep=kept - start if kept.numel() else 1,
+        **{cache_name: extended},
+    )
+    shared_lp = _target_logprobs(out.logits[:, : kept.numel()].expand(batch, -1, -1), input_ids[:, 1:][:, kept], scale)
+    keys = [torch.cat([k, layer.new_keys], 2).expand(batch, -1, -1, -1) for k, layer in zip(head.keys, extended.layers, strict=True)]
+    values = [torch.cat([v, layer.new_values], 2).expand(batch, -1, -1, -1) for v, layer in zip(head.values, extended.layers, strict=True)]
+    tail, tail_lp = _tail_logprobs(model, input_ids, attention_mask, read_only_cache(model, keys, values), shared, columns, scale)
+    return _scatter_columns(torch.cat([shared_lp, tail_lp], 1), torch.cat([kept, tail]), width - 1)
 
 
 def _tail_logprobs(model: PreTrainedModel, input_ids: Tensor, attention_mask: Tensor, cache: Any, start: int, columns: Tensor | None, scale: float) -> tuple[Tensor, Tensor]:
@@ -467,8 +506,15 @@ def _prefill(
     mask, (B, V) logits of each row's last prompt position, (B, 1) position of the first sampled
     token). A `served` head stays outside the cache (`prefix_attention` reads its one copy);
     otherwise every row gets a copy of it. A row's `reuse` (its ids up to `end`, from a turn
-    cache) goes into the cache as it is, right-aligned, and only the ids after it run now."""
+    cache) goes into the cache as it is, right-aligned, and only the ids after it run now.
+    Rows with the same prompt and reuse run once and are copied."""
     device, batch = model.device, len(prompts)
+    first, copies = _distinct_rows(prompts, reuse)
+    copies = copies.to(device)
+    if len(first) < batch:  # a GRPO group's first turn: the same prompt 8 times
+        cache, mask, logits, next_pos = _prefill(model, [prompts[i] for i in first], head, served, steps, pad_id, None if reuse is None else [reuse[i] for i in first])
+        cache.batch_select_indices(copies)
+        return cache, mask[copies], logits[copies], next_pos[copies]
     start = head[0][0].shape[2] if head is not None else 0
     own = [r.end - start if r is not None else 0 for r in reuse or [None] * batch]
     suffix_ids, suffix_mask = _left_pad([p[start + n :] for p, n in zip(prompts, own)], pad_id, steps, device)  # (B, S), (B, S + steps)
@@ -495,6 +541,20 @@ def _prefill(
         hi = min(lo + PREFILL_PIECE, length)
         logits = _next_logits(model, suffix_ids[:, lo:hi], mask[:, : width - length + hi], suffix_positions[:, lo:hi], cache)
     return cache, mask, logits, positions[:, -1:] + 1
+
+
+def _distinct_rows(prompts: Sequence[Sequence[int]], reuse: Sequence[Reuse | None] | None) -> tuple[list[int], Tensor]:
+    """The first row of each distinct (prompt, reused length), and (B,) which of them each row is."""
+    place: dict[tuple[tuple[int, ...], int], int] = {}
+    first, copies = [], []
+    for row, prompt in enumerate(prompts):
+        taken = reuse[row] if reuse is not None else None
+        key = (tuple(prompt), taken.end if taken is not None else -1)
+        if key not in place:
+            place[key] = len(first)
+            first.append(row)
+        copies.append(place[key])
+    return first, torch.tensor(copies, dtype=torch.long)
 
 
 def _right_aligned(reuse: Sequence[Reuse | None] | None, own: list[int], device: torch.device) -> tuple[list[Tensor], list[Tensor], Tensor]:

@@ -63,6 +63,20 @@ def _toy(split: str) -> ToyEnv:
     return ToyEnv()
 
 
+class _WordyTask(_Task):
+    def __init__(self, seed: int) -> None:
+        words = ["banana", "apple", "cat", "dog", "tree", "sky", "hello", "world"]
+        self.id = f"wordy-{seed}"
+        self.prompt = "Write a word after these: " + " ".join(words[(seed + i) % len(words)] for i in range(12))
+
+
+class WordyToyEnv(ToyEnv):
+    """ToyEnv whose tasks differ by seed in a prompt long enough to share within a group."""
+
+    def sample_task(self, rng: np.random.Generator, *, seed: int | None, options: dict | None) -> _Task:
+        return _WordyTask(seed or 0)
+
+
 def test_weights_move_loss_is_finite_and_reward_rises(tiny_model: Path, tmp_path: Path) -> None:
     before = AutoModelForCausalLM.from_pretrained(tiny_model).state_dict()
     config = _config(tiny_model, tmp_path / "run", steps=12)
@@ -187,6 +201,38 @@ def test_rows_with_nothing_to_learn_never_run_and_leave_the_update_unchanged(tin
     assert row_a["loss"] == pytest.approx(row_b["loss"], rel=1e-4, abs=1e-6)
     assert all(torch.allclose(x, y, atol=1e-6, rtol=1e-4) for x, y in zip(moves_a, moves_b))
     assert any(m.abs().max() > 0 for m in moves_a) == (flat_groups == 1)
+
+
+def test_a_groups_shared_columns_run_once_to_the_same_update(tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Micro-batches that keep a group's rows together run the columns they share past the
+    batch's head once; the update is that of rows sorted by length, each run whole."""
+    import cgym.agents.local.sampling as sampling
+    import cgym.trainer.grpo as grpo
+    from cgym.trainer.rollout import micro_batches
+
+    shared_runs: list[int] = []
+    real_past_head = sampling._past_head_logprobs
+    monkeypatch.setattr(sampling, "_past_head_logprobs", lambda model, ids, *a, **kw: shared_runs.append(ids.shape[0]) or real_past_head(model, ids, *a, **kw))
+    real_logprobs = grpo.sequence_logprobs
+    results = []
+    for grouped in (True, False):
+        if not grouped:
+            monkeypatch.setattr(grpo, "group_micro_batches", lambda ids, groups, most: micro_batches([len(row) for row in ids], most))
+            monkeypatch.setattr(grpo, "sequence_logprobs", lambda *a, **kw: real_logprobs(*a, **{**kw, "share_prefix": False}))
+        state = setup(_config(tiny_model, tmp_path / f"grouped{grouped}", micro_batch_size=4), make_env=lambda split: WordyToyEnv())
+        state.optimizer = torch.optim.SGD(state.model.parameters(), lr=1.0)
+        state.scheduler = torch.optim.lr_scheduler.LambdaLR(state.optimizer, lambda s: 1.0)
+        trajs = grpo._rollout_groups(state, [0, 1], [state.config.env_id] * 2, 1)
+        advantages, _, _ = grpo._advantages(state, trajs)
+        start = [p.detach().clone() for p in state.model.parameters()]
+        shared_runs.clear()
+        row = grpo._update(state, trajs, advantages, 1)
+        results.append((row, [p.detach() - s for p, s in zip(state.model.parameters(), start)], list(shared_runs)))
+    (row_a, moves_a, runs_a), (row_b, moves_b, runs_b) = results
+    assert runs_a and not runs_b  # the grouped update shared columns past the head; the other did not
+    assert row_a["loss"] == pytest.approx(row_b["loss"], rel=1e-4, abs=1e-6)
+    assert any(m.abs().max() > 0 for m in moves_a)
+    assert all(torch.allclose(x, y, atol=1e-6, rtol=1e-4) for x, y in zip(moves_a, moves_b))
 
 
 def test_rows_past_the_token_budget_are_recomputed_to_the_same_update(tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

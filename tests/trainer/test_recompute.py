@@ -28,7 +28,9 @@ def _pass(model_dir: Path, *, recompute: bool, path: str, lora: bool = False) ->
         from peft import LoraConfig, get_peft_model
 
         model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
-    ids, attention, mask = _batch()
+    ids, attention, mask = _batch(shared=45 if path == "group" else 20)
+    if path == "group":  # a head of 20 columns, 25 more shared by the rows, a target among them
+        mask[:, 30] = 1
     kept, calls = [0], [0]
     hooks = [layer.self_attn.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1)) for layer in decoder_layers(model)]
 
@@ -37,8 +39,8 @@ def _pass(model_dir: Path, *, recompute: bool, path: str, lora: bool = False) ->
         return tensor
 
     with recomputed_layers(model) if recompute else torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        head = shared_head(model, ids[0, :20]) if path == "head" else None
-        logp = sequence_logprobs(model, ids, attention, mask=mask, head=head, share_prefix=path == "prefix")
+        head = shared_head(model, ids[0, :20]) if path in ("head", "group") else None
+        logp = sequence_logprobs(model, ids, attention, mask=mask, head=head, share_prefix=path in ("prefix", "group"))
     (logp * mask).sum().backward()
     if head is not None:
         head.backward()
@@ -48,7 +50,7 @@ def _pass(model_dir: Path, *, recompute: bool, path: str, lora: bool = False) ->
     return logp.detach() * mask, grads, kept[0], calls[0]
 
 
-@pytest.mark.parametrize("path", ["plain", "prefix", "head"])
+@pytest.mark.parametrize("path", ["plain", "prefix", "head", "group"])
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_recomputed_layers_give_the_same_gradients_from_fewer_kept_activations(tiny_chat_model: Path, path: str, lora: bool) -> None:
     plain_lp, plain_grad, plain_kept, plain_calls = _pass(tiny_chat_model, recompute=False, path=path, lora=lora)

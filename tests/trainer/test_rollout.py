@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cgym.trainer.rollout import ATTENTION_BUDGET, TOKEN_BUDGET, Trajectory, micro_batches, pack, rows_with_signal, rows_within_budget, slice_batch
+from cgym.trainer.rollout import ATTENTION_BUDGET, TOKEN_BUDGET, Trajectory, group_micro_batches, loss_pass_columns, micro_batches, pack, rows_with_signal, rows_within_budget, slice_batch
 
 
 @pytest.mark.parametrize(
@@ -25,6 +25,37 @@ def test_micro_batches_take_every_row_once_longest_first(lengths: list[int], mos
         width = max(lengths[i] for i in chunk)
         assert len(chunk) <= rows_within_budget(width, most)
         assert len(chunk) == 1 or (len(chunk) * width**2 <= ATTENTION_BUDGET and len(chunk) * width <= TOKEN_BUDGET)
+
+
+def _grouped_rows(past_head: int, tails: list[list[int]]) -> tuple[list[list[int]], list[int]]:
+    """Rows of a 50-id head, then per group `past_head` ids its rows share, then each row's own tail."""
+    head = list(range(1000, 1050))
+    ids, groups = [], []
+    for group, lengths in enumerate(tails):
+        task = [2000 + 100 * group + i for i in range(past_head)]
+        for row, n in enumerate(lengths):
+            ids.append(head + task + [3000 + 50 * row + i for i in range(n)])
+            groups.append(group)
+    return ids, groups
+
+
+def test_rows_of_a_group_share_micro_batches_where_that_runs_fewer_columns() -> None:
+    # each group's rows share 80 ids past the head; lengths interleave across the two groups
+    ids, groups = _grouped_rows(80, [[10, 40, 70, 100], [20, 50, 80, 110]])
+    plan = group_micro_batches(ids, groups, most=4)
+    assert sorted(row for chunk in plan for row in chunk) == list(range(8))
+    assert all(len({groups[row] for row in chunk}) == 1 for chunk in plan)  # no micro-batch mixes groups
+    by_length = micro_batches([len(row) for row in ids], 4)
+    assert loss_pass_columns(ids, plan) < loss_pass_columns(ids, by_length)
+    # group 0 alone: 80 shared columns once, then 4 rows padded to the longest tail (100)
+    assert loss_pass_columns(ids, [[0, 1, 2, 3]]) == 80 + 4 * 100
+    # a micro-batch mixing the groups shares nothing past the head
+    assert loss_pass_columns(ids, [[0, 4]]) == 2 * (80 + 20)
+
+
+def test_rows_sharing_too_little_past_the_head_stay_in_length_order() -> None:
+    ids, groups = _grouped_rows(8, [[10, 40, 70, 100], [20, 50, 80, 110]])  # 8 < MIN_SHARED_PREFIX
+    assert group_micro_batches(ids, groups, most=4) == micro_batches([len(row) for row in ids], 4)
 
 
 def test_a_micro_batch_of_listed_rows_is_trimmed_to_its_longest() -> None:

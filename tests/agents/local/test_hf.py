@@ -393,6 +393,33 @@ def test_shared_prefix_sampling_matches_unshared(model, tokenizer, temperature: 
 
 
 @pytest.mark.parametrize("share_prefix", [True, False], ids=["served-prefix", "no-prefix"])
+def test_rows_with_the_same_prompt_are_prefilled_once(model, tokenizer, share_prefix: bool) -> None:
+    """A GRPO group's first turn is one prompt several times: it runs once and every copy
+    decodes from it, as it would alone."""
+    from cgym.agents.local.sampling import sample_batch
+
+    a, b = _prefixed_prompts(tokenizer, 2)
+    params = SamplingOptions(temperature=0.0, max_new_tokens=10)
+
+    def run(prompts: list[list[int]]) -> tuple[list, list[tuple[int, int]]]:
+        shapes: list[tuple[int, int]] = []
+        hook = model.register_forward_pre_hook(lambda _, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+        try:
+            return sample_batch(model, prompts, params=params, stop_ids=set(), pad_id=0, share_prefix=share_prefix, draft_tokens=0), shapes
+        finally:
+            hook.remove()
+
+    (alone_a, alone_b), _ = run([a, b])
+    copies, shapes = run([a, b, a, a])
+    assert [s.ids for s in copies] == [alone_a.ids, alone_b.ids, alone_a.ids, alone_a.ids]
+    for got, want in zip(copies, [alone_a, alone_b, alone_a, alone_a], strict=True):
+        torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=1e-4, rtol=0)
+    prefills = [shape for shape in shapes if shape[1] > 1]
+    assert prefills and all(rows <= 2 for rows, _ in prefills)  # never the 4 rows
+    assert (4, 1) in shapes  # the copies decode as rows of their own
+
+
+@pytest.mark.parametrize("share_prefix", [True, False], ids=["served-prefix", "no-prefix"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
 def test_a_prefill_in_pieces_matches_one_piece(model, tokenizer, temperature: float, share_prefix: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     import cgym.agents.local.sampling as sampling
@@ -470,6 +497,54 @@ def test_a_shared_head_gives_the_plain_log_probs_and_gradients(tiny_dir: Path) -
     assert plain_grad.abs().sum() > 0
     torch.testing.assert_close(head_lp, plain_lp, atol=1e-5, rtol=0)
     torch.testing.assert_close(head_grad, plain_grad, atol=1e-5, rtol=1e-4)
+
+
+def group_batch(shared: int = 60) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded rows sharing their first `shared` ids (a head and a group's prompt), scored
+    inside the shared part, on its last column (whose target is the first id the rows differ
+    at) and near each row's end."""
+    gen = torch.Generator().manual_seed(1)
+    prefix = torch.randint(3, 200, (shared,), generator=gen).tolist()
+    rows = [prefix + [3 + b] + torch.randint(3, 200, (n,), generator=gen).tolist() for b, n in enumerate((9, 4, 13))]
+    width = max(len(r) for r in rows)
+    ids, attention, mask = torch.zeros(len(rows), width, dtype=torch.long), torch.zeros(len(rows), width, dtype=torch.long), torch.zeros(len(rows), width - 1)
+    for b, r in enumerate(rows):
+        ids[b, : len(r)], attention[b, : len(r)] = torch.tensor(r), 1
+        mask[b, len(r) - 4 : len(r) - 1] = 1
+    mask[:, [30, 41, shared - 1]] = 1
+    mask[1, 35] = 1  # one row only
+    return ids, attention, mask
+
+
+@pytest.mark.parametrize("micro", [[[0, 1, 2]], [[0, 2], [1]]], ids=["one-micro-batch", "two"])
+def test_columns_a_micro_batch_shares_past_the_head_run_once_with_the_plain_results(tiny_dir: Path, micro: list[list[int]]) -> None:
+    """Past the batch's head, the columns every row of a micro-batch shares (a GRPO group's
+    task prompt and its alike turns) run once, batch 1; log-probs and gradients are those of
+    running every row whole."""
+    from cgym.agents.local.sampling import shared_head
+
+    ids, attention, mask = group_batch()
+    results, widths = [], []
+    for use_head in (False, True):
+        net = AutoModelForCausalLM.from_pretrained(tiny_dir)
+        head = shared_head(net, ids[0, :20]) if use_head else None
+        values = []
+        with counted_forwards(net) as seen:
+            for rows in micro:
+                lp = sequence_logprobs(net, ids[rows], attention[rows], mask=mask[rows], head=head, share_prefix=use_head)
+                (lp * mask[rows]).sum().backward()
+                values.append(lp.detach() * mask[rows])
+        widths.append(seen)
+        if head is not None:
+            head.backward()
+        order = torch.tensor([row for rows in micro for row in rows])
+        results.append((torch.cat(values)[order.argsort()], torch.cat([p.grad.flatten() for p in net.parameters()])))
+    (plain_lp, plain_grad), (lp, grad) = results
+    assert plain_grad.abs().sum() > 0 and bool((lp[mask.bool()] != 0).all())
+    torch.testing.assert_close(lp, plain_lp, atol=1e-5, rtol=0)
+    torch.testing.assert_close(grad, plain_grad, atol=1e-5, rtol=1e-4)
+    past_head = [w for w in widths[1] if w == 40]  # the 40 shared columns after the 20 of the head
+    assert len(past_head) == sum(len(rows) > 1 for rows in micro)  # once per micro-batch of several rows
 
 
 def test_a_shared_head_refuses_rows_it_does_not_lead_or_targets_inside_it(model) -> None:
