@@ -21,7 +21,6 @@ import json
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -49,9 +48,9 @@ from cgym.trainer.embedded import prepare_models
 from cgym.trainer.finite import check_finite
 from cgym.trainer.losses import policy_loss, rft_weights, turn_advantages, unified_advantages
 from cgym.trainer.metrics import HackingMonitor, MetricsLog, Outcome, env_metrics, peak_rss_gb, plot_curve, rollout_metrics
-from cgym.trainer.recompute import recomputed_layers
+from cgym.trainer.recompute import recomputed_past_budget
 from cgym.trainer.refine import rebase, sample_subset, select_refinements, should_refine
-from cgym.trainer.rollout import TOKEN_BUDGET, Batch, Trajectory, group_micro_batches, pack, rows_with_signal, slice_batch, spread_over_tokens
+from cgym.trainer.rollout import Batch, Trajectory, group_micro_batches, pack, rows_with_signal, slice_batch, spread_over_tokens
 from cgym.trainer.run_folder import CONFIG_FILE, check_out, check_same_run, clear_run
 from cgym.trainer.samplers.served import PushedSampler, ServedPolicy
 from rich.console import Console
@@ -460,12 +459,11 @@ def _update(state: TrainState, trajs: list[Trajectory], advantages: torch.Tensor
     moving = slice_batch(batch, learning) if batch is not None and learning else None
     chunks = group_micro_batches([trajs[row].ids for row in learning], [trajs[row].group for row in learning], cfg.micro_batch_size)  # sized by length, like SFT's
     for iteration in range(cfg.num_iterations):
-        head = _batch_head(state.model, moving, recompute=moving is not None and moving.ids.shape[1] > TOKEN_BUDGET)  # run once per optimizer step
+        head = _batch_head(state.model, moving)  # run once per optimizer step
         for chunk, rows in enumerate(chunks):
             assert moving is not None
             mb = slice_batch(moving, rows)
-            long_row = recomputed_layers(state.model) if mb.ids.numel() > TOKEN_BUDGET else nullcontext()  # one row past the budget
-            with autocast(state.model), long_row:  # logits only at sampled positions; log-softmax in fp32
+            with autocast(state.model), recomputed_past_budget(state.model, mb.ids.numel()):  # logits only at sampled positions; log-softmax in fp32
                 logp = sequence_logprobs(state.model, mb.ids, mb.attention, cfg.sampling.temperature, mask=mb.mask, head=head)
                 ref = None
                 if state.reference is not None:
@@ -502,12 +500,12 @@ def _update(state: TrainState, trajs: list[Trajectory], advantages: torch.Tensor
     return {**_update_metrics(world, batch, totals, n_micro, cfg.num_iterations, float(grad_norm)), "trained_rows": int(world.sum([len(learning)])[0])}
 
 
-def _batch_head(model: torch.nn.Module, batch: Batch | None, *, recompute: bool = False) -> SharedHead | None:
+def _batch_head(model: torch.nn.Module, batch: Batch | None) -> SharedHead | None:
     """The leading ids every row shares (system prompt, tool schemas), up to the first scored
     target, as a `SharedHead`: without it each micro-batch ran them again (on ApiReport easy, 39%
-    of a step's training tokens). None when they are too few to pay. With `recompute` its layers
-    keep only their inputs until its backward pass (when long rows are recomputed too, the head's
-    activations would otherwise be most of what the update holds)."""
+    of a step's training tokens). None when they are too few to pay. When the batch's widest row
+    is recomputed, so is the head: its layers keep only their inputs until its backward pass (the
+    head's activations would otherwise be most of what the update holds)."""
     if batch is None:
         return None
     length = shared_prefix_len(batch.ids, batch.attention)
@@ -515,7 +513,7 @@ def _batch_head(model: torch.nn.Module, batch: Batch | None, *, recompute: bool 
     length = min(length, int(wanted[0])) if wanted.numel() else length
     if length < MIN_SHARED_PREFIX:
         return None
-    with autocast(model), recomputed_layers(model) if recompute else nullcontext():
+    with autocast(model), recomputed_past_budget(model, batch.ids.shape[1]):
         return shared_head(model, batch.ids[0, :length])
 
 

@@ -12,10 +12,11 @@ prefix and shared head to the rows.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from functools import partial
 
 import torch
+from cgym.trainer.rollout import TOKEN_BUDGET
 from torch.utils.checkpoint import checkpoint
 from transformers.modeling_layers import GradientCheckpointingLayer
 
@@ -37,3 +38,10 @@ def recomputed_layers(model: torch.nn.Module) -> Iterator[int]:
     finally:
         for layer in layers:
             del layer.forward
+
+
+def recomputed_past_budget(model: torch.nn.Module, tokens: int) -> AbstractContextManager[int | None]:
+    """`recomputed_layers(model)` for a pass over more than `TOKEN_BUDGET` tokens (rows x width),
+    a block that changes nothing otherwise. Micro-batches are sized within the budget, so a pass
+    past it is one long row (or the shared head of a batch holding one)."""
+    return recomputed_layers(model) if tokens > TOKEN_BUDGET else nullcontext()

@@ -12,7 +12,6 @@ import math
 import random
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +23,8 @@ from cgym.agents.local.precision import autocast
 from cgym.agents.local.sampling import sequence_logprobs
 from cgym.agents.pretrained import resolve_model
 from cgym.agents.tool_prompt import TRAINED_LAYOUT, ToolLayout, recorded_layout, set_tool_layout
-from cgym.trainer.recompute import recomputed_layers
-from cgym.trainer.rollout import TOKEN_BUDGET, micro_batches
+from cgym.trainer.recompute import recomputed_past_budget
+from cgym.trainer.rollout import micro_batches
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -198,8 +197,7 @@ def accumulate_sft_loss(model: PreTrainedModel, ids: Tensor, attention: Tensor, 
     for chunk in micro_batches(attention.sum(-1).tolist(), micro_batch_size):  # sized by length, as GRPO's
         rows = torch.as_tensor(chunk, dtype=torch.long)
         width = int(attention[rows].sum(-1).max())  # right padding: trim to this chunk's longest row
-        long_row = recomputed_layers(model) if len(chunk) * width > TOKEN_BUDGET else nullcontext()  # one demo past the budget
-        with autocast(model), long_row:
+        with autocast(model), recomputed_past_budget(model, len(chunk) * width):  # one demo past the budget
             part = sft_loss(model, ids[rows, :width], attention[rows, :width], loss_mask[rows, :width])
         part = part * loss_mask[rows, 1:width].sum() / total
         part.backward()

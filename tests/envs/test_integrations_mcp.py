@@ -169,6 +169,43 @@ def test_requests_read_before_the_input_ends_are_all_answered() -> None:
     assert all(isinstance(r, types.JSONRPCResponse) for r in replies)
 
 
+def test_a_request_never_answered_does_not_keep_the_server_past_the_drain(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once the input has ended, the server waits `DRAIN_S` for the requests it read, then stops:
+    the ones answered by then keep their replies, a hung one does not hold the server open."""
+    import cgym.envs.integrations.mcp as cgym_mcp
+    from mcp import types
+    from mcp.server.lowlevel import Server
+    from mcp.shared.message import SessionMessage
+
+    async def hung_tools(ctx: Any, params: Any) -> types.ListToolsResult:
+        await anyio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    monkeypatch.setattr(cgym_mcp, "DRAIN_S", 0.3)
+    server = Server("hung", on_list_tools=hung_tools)
+    hello = types.InitializeRequestParams(protocol_version="2025-06-18", capabilities=types.ClientCapabilities(), client_info=types.Implementation(name="t", version="0"))
+    lines = [
+        types.JSONRPCRequest(jsonrpc="2.0", id=0, method="initialize", params=hello.model_dump(by_alias=True, exclude_none=True)),
+        types.JSONRPCNotification(jsonrpc="2.0", method="notifications/initialized"),
+        types.JSONRPCRequest(jsonrpc="2.0", id=1, method="tools/list"),
+    ]
+
+    async def play() -> list[Any]:
+        to_server, read = anyio.create_memory_object_stream[Any](len(lines))
+        write, from_server = anyio.create_memory_object_stream[Any](100)
+        for line in lines:
+            to_server.send_nowait(SessionMessage(line))
+        to_server.close()
+        with anyio.fail_after(20):  # without the drain's limit this would wait for the hung request forever
+            async with cgym_mcp._answering_bad_lines(read, write) as (messages, replies):
+                await server.run(messages, replies, server.create_initialization_options())
+        return [item.message async for item in from_server]
+
+    replies = anyio.run(play)
+    assert [r.id for r in replies if isinstance(r, types.JSONRPCResponse)] == [0]
+    assert all(r.id == 1 for r in replies if not isinstance(r, types.JSONRPCResponse))  # the hung one: no result
+
+
 def test_a_bad_prompt_or_resource_name_is_an_invalid_params_error() -> None:
     from mcp.shared.exceptions import MCPError
 

@@ -238,19 +238,19 @@ def test_a_groups_shared_columns_run_once_to_the_same_update(tiny_model: Path, t
 def test_rows_past_the_token_budget_are_recomputed_to_the_same_update(tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """With a budget every row passes, the head and each micro-batch run under recomputed layers,
     and the step's loss and weights come out as without."""
-    import cgym.trainer.grpo as grpo
+    import cgym.trainer.recompute as recompute
 
     entered: list[int] = []
-    real = grpo.recomputed_layers
+    real = recompute.recomputed_layers
 
     def spy(model):
         entered.append(1)
         return real(model)
 
-    monkeypatch.setattr(grpo, "recomputed_layers", spy)
+    monkeypatch.setattr(recompute, "recomputed_layers", spy)
     results = []
     for budget in (10**9, 1):
-        monkeypatch.setattr(grpo, "TOKEN_BUDGET", budget)
+        monkeypatch.setattr(recompute, "TOKEN_BUDGET", budget)
         state = setup(_config(tiny_model, tmp_path / f"budget{budget}", micro_batch_size=4), make_env=_toy)
         state.optimizer = torch.optim.SGD(state.model.parameters(), lr=1.0)
         state.scheduler = torch.optim.lr_scheduler.LambdaLR(state.optimizer, lambda s: 1.0)

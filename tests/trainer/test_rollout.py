@@ -4,7 +4,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cgym.trainer.rollout import ATTENTION_BUDGET, TOKEN_BUDGET, Trajectory, group_micro_batches, loss_pass_columns, micro_batches, pack, rows_with_signal, rows_within_budget, slice_batch
+from cgym.trainer.rollout import (
+    ATTENTION_BUDGET,
+    TOKEN_BUDGET,
+    Trajectory,
+    group_micro_batches,
+    loss_pass_columns,
+    micro_batches,
+    pack,
+    rows_with_signal,
+    rows_within_budget,
+    slice_batch,
+)
 
 
 @pytest.mark.parametrize(

@@ -206,15 +206,15 @@ def test_fit_trains_on_ready_examples(tiny_dir: Path, tokenizer, tmp_path: Path)
 @pytest.mark.parametrize(("micro", "budget"), [(1, None), (3, None), (8, None), (3, 1)], ids=["rows-1", "rows-3", "whole", "recomputed"])
 def test_micro_batches_give_the_whole_batch_gradient(tiny_chat_model, monkeypatch: pytest.MonkeyPatch, micro: int, budget: int | None) -> None:
     """However the batch is split, and with every micro-batch's layers recomputed (a budget each passes)."""
-    import cgym.trainer.sft as sft
+    import cgym.trainer.recompute as recompute
     from cgym.trainer.sft import accumulate_sft_loss, collate, sft_loss
     from transformers import AutoModelForCausalLM
 
     recomputed: list[int] = []
     if budget is not None:
-        real = sft.recomputed_layers
-        monkeypatch.setattr(sft, "TOKEN_BUDGET", budget)
-        monkeypatch.setattr(sft, "recomputed_layers", lambda model: recomputed.append(1) or real(model))
+        real = recompute.recomputed_layers
+        monkeypatch.setattr(recompute, "TOKEN_BUDGET", budget)
+        monkeypatch.setattr(recompute, "recomputed_layers", lambda model: recomputed.append(1) or real(model))
     model = AutoModelForCausalLM.from_pretrained(tiny_chat_model)
     rows = [(list(range(5, 5 + n)), [0] * (n // 2) + [1] * (n - n // 2)) for n in (6, 9, 12, 15, 20, 7)]
     ids, attention, mask = collate(rows, pad_id=0)
