@@ -35,7 +35,7 @@ from cgym.agents.eval.evaluate import EvalConfig, evaluate
 from cgym.agents.local.hf import HFPolicy
 from cgym.agents.local.lora import merged, with_lora
 from cgym.agents.local.precision import autocast
-from cgym.agents.local.sampling import MIN_SHARED_PREFIX, SharedHead, sequence_logprobs, shared_head, shared_prefix_len
+from cgym.agents.local.sampling import sequence_logprobs
 from cgym.agents.options import SamplingOptions
 from cgym.agents.pretrained import resolve_model
 from cgym.envs.credit import critiqued_turns, turn_rewards
@@ -46,6 +46,7 @@ from cgym.trainer.config import VLLM_IN_PROCESS, TrainConfig
 from cgym.trainer.distributed import World, check_divisible, close_world, global_normalizer, init_world, training_device
 from cgym.trainer.embedded import prepare_models
 from cgym.trainer.finite import check_finite
+from cgym.trainer.heads import batch_head
 from cgym.trainer.losses import policy_loss, rft_weights, turn_advantages, unified_advantages
 from cgym.trainer.metrics import HackingMonitor, MetricsLog, Outcome, env_metrics, peak_rss_gb, plot_curve, rollout_metrics
 from cgym.trainer.recompute import recomputed_past_budget
@@ -457,9 +458,9 @@ def _update(state: TrainState, trajs: list[Trajectory], advantages: torch.Tensor
     # counted in the normalizer above and metrics below, and never run.
     learning = rows_with_signal(batch, with_kl=cfg.beta > 0) if batch is not None else []
     moving = slice_batch(batch, learning) if batch is not None and learning else None
-    chunks = group_micro_batches([trajs[row].ids for row in learning], [trajs[row].group for row in learning], cfg.micro_batch_size)  # sized by length, like SFT's
+    chunks = group_micro_batches([trajs[row].ids for row in learning], [trajs[row].group for row in learning], cfg.micro_batch_size)  # a group's rows together where that runs fewer columns; sized by length, like SFT's
     for iteration in range(cfg.num_iterations):
-        head = _batch_head(state.model, moving)  # run once per optimizer step
+        head = batch_head(state.model, moving.ids, moving.attention, moving.mask) if moving is not None else None  # run once per optimizer step
         for chunk, rows in enumerate(chunks):
             assert moving is not None
             mb = slice_batch(moving, rows)
@@ -498,23 +499,6 @@ def _update(state: TrainState, trajs: list[Trajectory], advantages: torch.Tensor
         state.scheduler.step()
         state.optimizer.zero_grad(set_to_none=True)
     return {**_update_metrics(world, batch, totals, n_micro, cfg.num_iterations, float(grad_norm)), "trained_rows": int(world.sum([len(learning)])[0])}
-
-
-def _batch_head(model: torch.nn.Module, batch: Batch | None) -> SharedHead | None:
-    """The leading ids every row shares (system prompt, tool schemas), up to the first scored
-    target, as a `SharedHead`: without it each micro-batch ran them again (on ApiReport easy, 39%
-    of a step's training tokens). None when they are too few to pay. When the batch's widest row
-    is recomputed, so is the head: its layers keep only their inputs until its backward pass (the
-    head's activations would otherwise be most of what the update holds)."""
-    if batch is None:
-        return None
-    length = shared_prefix_len(batch.ids, batch.attention)
-    wanted = batch.mask.bool().any(0).nonzero()
-    length = min(length, int(wanted[0])) if wanted.numel() else length
-    if length < MIN_SHARED_PREFIX:
-        return None
-    with autocast(model), recomputed_past_budget(model, batch.ids.shape[1]):
-        return shared_head(model, batch.ids[0, :length])
 
 
 def _update_metrics(world: World, batch: Batch | None, totals: dict[str, float], n_micro: int, iterations: int, grad_norm: float) -> dict[str, Any]:

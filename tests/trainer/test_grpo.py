@@ -302,16 +302,13 @@ def test_task_pool_draws_from_the_first_seeds_only(tiny_model: Path, tmp_path: P
 
 @pytest.mark.parametrize(("first_scored", "expected"), [(30, 24), (18, 18), (10, None)], ids=["whole-prefix", "cut-at-first-target", "too-short"])
 def test_the_batch_head_stops_at_the_shared_prefix_and_the_first_scored_target(monkeypatch: pytest.MonkeyPatch, first_scored: int, expected: int | None) -> None:
-    import cgym.trainer.grpo as grpo
-    from cgym.trainer.rollout import Batch
+    import cgym.trainer.heads as heads
 
     ids = torch.cat([torch.arange(24).repeat(3, 1), torch.arange(100, 136).reshape(3, 12)], 1)  # rows share 24 ids, then differ
     mask = torch.zeros(3, 35)
     mask[1, first_scored:] = 1
-    batch = Batch(ids, torch.ones_like(ids), mask, torch.zeros(3, 35), torch.zeros(3), torch.zeros(3, dtype=torch.bool))
-    monkeypatch.setattr(grpo, "shared_head", lambda model, head_ids: len(head_ids))
-    assert grpo._batch_head(torch.nn.Linear(2, 2), batch) == expected
-    assert grpo._batch_head(torch.nn.Linear(2, 2), None) is None
+    monkeypatch.setattr(heads, "shared_head", lambda model, head_ids: len(head_ids))
+    assert heads.batch_head(torch.nn.Linear(2, 2), ids, torch.ones_like(ids), mask) == expected
 
 
 def _critiqued_share_of_a(episode: Episode) -> CheckResult:

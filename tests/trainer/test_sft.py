@@ -228,6 +228,31 @@ def test_micro_batches_give_the_whole_batch_gradient(tiny_chat_model, monkeypatc
     assert len(recomputed) == (2 if budget is not None else 0)  # 6 rows, 3 a micro-batch
 
 
+def test_the_prefix_every_demo_shares_runs_once_a_batch_for_the_same_gradient(tiny_chat_model) -> None:
+    """Demos that start with one system prompt: it runs once for the batch, not once a
+    micro-batch, and the loss and gradients are those of one pass over the whole batch."""
+    from cgym.trainer.sft import accumulate_sft_loss, collate, sft_loss
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_chat_model)
+    system = list(range(40, 70))  # 30 ids every demo starts with, none scored
+    rows = [(system + list(range(100 + 10 * i, 100 + 10 * i + n)), [0] * 30 + [0, 0] + [1] * (n - 2)) for i, n in enumerate((6, 9, 12, 15, 20, 7))]
+    ids, attention, mask = collate(rows, pad_id=0)
+    sft_loss(model, ids, attention, mask).backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    widths: list[int] = []
+    hook = model.register_forward_pre_hook(lambda _, args, kwargs: widths.append(kwargs["input_ids"].shape[1]), with_kwargs=True)
+    try:
+        loss = accumulate_sft_loss(model, ids, attention, mask, micro_batch_size=2)
+    finally:
+        hook.remove()
+    assert widths.count(30) == 1 and len(widths) == 4  # the head once, then 3 micro-batches after it
+    torch.testing.assert_close(loss, sft_loss(model, ids, attention, mask).detach(), atol=1e-5, rtol=1e-5)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, want[name], atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize(("width", "rows"), [(100, 4), (500, 4), (900, 2), (1400, 1), (5000, 1)], ids=["short", "easy-compact", "easy-json", "medium", "huge"])
 def test_long_demos_get_fewer_rows_per_micro_batch(width: int, rows: int) -> None:
     from cgym.trainer.rollout import rows_within_budget
