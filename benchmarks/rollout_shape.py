@@ -38,14 +38,11 @@ def chained_steps(turns: Sequence[Sequence[int]]) -> int:
 def shape(turns: Sequence[Sequence[int]], ids: Sequence[Sequence[int]], groups: Sequence[int], most: int) -> dict[str, Any]:
     """The figures above from each episode's turn lengths, token ids and group."""
     from cgym.agents.local.sampling import common_prefix_len
-    from cgym.trainer.rollout import group_micro_batches, loss_pass_columns, micro_batches
+    from cgym.trainer.rollout import group_micro_batches, group_rows, loss_pass_columns, micro_batches
 
     sampled = sum(sum(episode) for episode in turns)
     lockstep, chained = lockstep_steps(turns), chained_steps(turns)
     head = common_prefix_len(ids)
-    members: dict[int, list[int]] = {}
-    for row, group in enumerate(groups):
-        members.setdefault(group, []).append(row)
     by_length = micro_batches([len(row) for row in ids], most)
     planned = group_micro_batches(ids, groups, most)
     return {
@@ -61,7 +58,7 @@ def shape(turns: Sequence[Sequence[int]], ids: Sequence[Sequence[int]], groups: 
         "loss_pass": {
             "head_columns": head,
             "row_columns_past_head": [len(row) - head for row in ids],
-            "shared_past_head_by_group": {str(g): common_prefix_len([ids[r] for r in rows]) - head if len(rows) > 1 else 0 for g, rows in members.items()},
+            "shared_past_head_by_group": {str(g): common_prefix_len([ids[r] for r in rows]) - head if len(rows) > 1 else 0 for g, rows in group_rows(groups).items()},
             "columns_by_length": loss_pass_columns(ids, by_length),
             "columns_planned": loss_pass_columns(ids, planned),
             "plan_keeps_groups_together": all(len({groups[r] for r in chunk}) == 1 for chunk in planned),

@@ -134,11 +134,16 @@ def group_micro_batches(ids: Sequence[Sequence[int]], groups: Sequence[int], mos
     their first turns, which the loss pass runs once per micro-batch (`sequence_logprobs`); rows
     sorted by length across groups pad less but share only the system prompt."""
     by_length = micro_batches([len(row) for row in ids], most)
+    by_group = [[rows[i] for i in chunk] for rows in group_rows(groups).values() for chunk in micro_batches([len(ids[row]) for row in rows], most)]
+    return min(by_length, by_group, key=lambda plan: loss_pass_columns(ids, plan))
+
+
+def group_rows(groups: Sequence[int]) -> dict[int, list[int]]:
+    """Each group's row indices, groups in order of first appearance."""
     members: dict[int, list[int]] = {}
     for row, group in enumerate(groups):
         members.setdefault(group, []).append(row)
-    by_group = [[rows[i] for i in chunk] for rows in members.values() for chunk in micro_batches([len(ids[row]) for row in rows], most)]
-    return min(by_length, by_group, key=lambda plan: loss_pass_columns(ids, plan))
+    return members
 
 
 def loss_pass_columns(ids: Sequence[Sequence[int]], plan: Sequence[Sequence[int]]) -> int:

@@ -78,16 +78,13 @@ def sequence_logprobs(
     scale = temperature if temperature > 0 else 1.0
     use_prefix_attention(model)  # grouped kv heads in place (CPU), as when sampling
     columns = None if mask is None else mask.bool().any(0)  # (T-1,) columns to compute
+    cache = head.cache_for(model, input_ids, attention_mask, columns) if head is not None else None
+    shared = shared_prefix_len(input_ids, attention_mask) if share_prefix else 0
+    if shared - (head.length if head is not None else 0) >= MIN_SHARED_PREFIX and _forward_kwargs(model)[1]:
+        return _prefix_shared_logprobs(model, input_ids, attention_mask, shared, columns, scale, head=head)
     if head is not None:
-        cache = head.cache_for(model, input_ids, attention_mask, columns)
-        shared = shared_prefix_len(input_ids, attention_mask) if share_prefix else 0
-        if shared - head.length >= MIN_SHARED_PREFIX:
-            return _past_head_logprobs(model, input_ids, attention_mask, head, shared, columns, scale)
         tail, values = _tail_logprobs(model, input_ids, attention_mask, cache, head.length, columns, scale)
         return _scatter_columns(values, tail, input_ids.shape[1] - 1)
-    shared = shared_prefix_len(input_ids, attention_mask) if share_prefix else 0
-    if shared >= MIN_SHARED_PREFIX and _forward_kwargs(model)[1]:
-        return _prefix_shared_logprobs(model, input_ids, attention_mask, shared, columns, scale)
     positions = position_ids_from_mask(attention_mask)
     kept = _kept_columns(columns, 0, input_ids.shape[1] - 1, model)
     kwargs = {} if kept is None else {"logits_to_keep": kept}
@@ -126,62 +123,36 @@ def _prefix_shared_logprobs(
     shared: int,
     columns: Tensor | None,
     scale: float,
+    head: SharedHead | None = None,
 ) -> Tensor:
-    """`sequence_logprobs` with the first `shared` columns run once (batch 1) and broadcast
-    through the KV cache; hidden state h predicts target h, so targets [0, shared) come from
-    the shared pass (each row gathers its own target) and the rest from the batched pass."""
+    """`sequence_logprobs` with the columns every row shares, [start, shared), run once (batch 1)
+    and broadcast through the KV cache; `start` is 0, or the end of a `head` already run for the
+    batch, which that pass reads. Hidden state h predicts target h, so targets [start, shared)
+    come from the shared pass (each row gathers its own: the last one's is the first id where the
+    rows differ) and the rest from the batched pass."""
     batch, width = input_ids.shape
-    cache_name = _forward_kwargs(model)[0]
-    first = first_pass_cache(model)  # the prefix pass and the tail's may each run twice (recomputed layers)
+    start = head.length if head is not None else 0
+    # the shared pass and the tail's may each run twice (recomputed layers): caches that do not grow
+    first = extending_cache(model, head.keys, head.values) if head is not None else first_pass_cache(model)
     cache = first if first is not None else dynamic_cache(model)
-    head = _kept_columns(columns, 0, shared, model)
+    kept = _kept_columns(columns, start, shared, model)
+    kept = kept if kept is not None else torch.arange(start, shared, device=input_ids.device)
     out = model(
-        input_ids=input_ids[:1, :shared],
+        input_ids=input_ids[:1, start:shared],  # unpadded: positions follow the cache's length
         use_cache=True,
-        logits_to_keep=head if head is not None else 0,
-        **{cache_name: cache},
+        logits_to_keep=kept - start,
+        **{_forward_kwargs(model)[0]: cache},
     )
-    head = head if head is not None else torch.arange(shared, device=input_ids.device)
-    head_logits = out.logits.expand(batch, -1, -1)  # (B, K0, V)
-    head_lp = _target_logprobs(head_logits, input_ids[:, 1:][:, head], scale)
-    if first is not None:
+    shared_lp = _target_logprobs(out.logits.expand(batch, -1, -1), input_ids[:, 1:][:, kept], scale)  # (B, K0)
+    if head is not None:
+        keys = [torch.cat([k, layer.new_keys], 2) for k, layer in zip(head.keys, cache.layers, strict=True)]
+        values = [torch.cat([v, layer.new_values], 2) for v, layer in zip(head.values, cache.layers, strict=True)]
+        cache = read_only_cache(model, [k.expand(batch, -1, -1, -1) for k in keys], [v.expand(batch, -1, -1, -1) for v in values])
+    elif first is not None:
         cache = read_only_cache(model, *([x.expand(batch, -1, -1, -1) for x in kv] for kv in _layer_kv(first)))
     else:
         cache.batch_repeat_interleave(batch)
     tail, tail_lp = _tail_logprobs(model, input_ids, attention_mask, cache, shared, columns, scale)
-    return _scatter_columns(torch.cat([head_lp, tail_lp], 1), torch.cat([head, tail]), width - 1)
-
-
-def _past_head_logprobs(
-    model: PreTrainedModel,
-    input_ids: Tensor,
-    attention_mask: Tensor,
-    head: SharedHead,
-    shared: int,
-    columns: Tensor | None,
-    scale: float,
-) -> Tensor:
-    """`sequence_logprobs` after a shared `head` whose rows also share ids [head.length, shared):
-    those run once (batch 1) attending to the head, and the rows' own columns attend to both.
-    Targets in the shared columns are scored from that one pass, each row gathering its own
-    (the last one's target is the first id where the rows differ)."""
-    batch, width, start = input_ids.shape[0], input_ids.shape[1], head.length
-    cache_name = _forward_kwargs(model)[0]
-    extended = extending_cache(model, head.keys, head.values)  # may run twice (recomputed layers)
-    kept = _kept_columns(columns, start, shared, model)
-    kept = kept if kept is not None else torch.arange(start, shared, device=input_ids.device)
-    out = model(
-        input_ids=input_ids[:1, start:shared],
-        attention_mask=attention_mask[:1, :shared],
-        position_ids=torch.arange(start, shared, device=input_ids.device)[None],
-        use_cache=True,
-        logits_to_keep=kept - start if kept.numel() else 1,
-        **{cache_name: extended},
-    )
-    shared_lp = _target_logprobs(out.logits[:, : kept.numel()].expand(batch, -1, -1), input_ids[:, 1:][:, kept], scale)
-    keys = [torch.cat([k, layer.new_keys], 2).expand(batch, -1, -1, -1) for k, layer in zip(head.keys, extended.layers, strict=True)]
-    values = [torch.cat([v, layer.new_values], 2).expand(batch, -1, -1, -1) for v, layer in zip(head.values, extended.layers, strict=True)]
-    tail, tail_lp = _tail_logprobs(model, input_ids, attention_mask, read_only_cache(model, keys, values), shared, columns, scale)
     return _scatter_columns(torch.cat([shared_lp, tail_lp], 1), torch.cat([kept, tail]), width - 1)
 
 

@@ -211,8 +211,14 @@ def test_a_groups_shared_columns_run_once_to_the_same_update(tiny_model: Path, t
     from cgym.trainer.rollout import micro_batches
 
     shared_runs: list[int] = []
-    real_past_head = sampling._past_head_logprobs
-    monkeypatch.setattr(sampling, "_past_head_logprobs", lambda model, ids, *a, **kw: shared_runs.append(ids.shape[0]) or real_past_head(model, ids, *a, **kw))
+    real_shared = sampling._prefix_shared_logprobs
+
+    def spy(model, ids, *args, **kwargs):
+        if kwargs["head"] is not None:  # columns past the batch's head
+            shared_runs.append(ids.shape[0])
+        return real_shared(model, ids, *args, **kwargs)
+
+    monkeypatch.setattr(sampling, "_prefix_shared_logprobs", spy)
     real_logprobs = grpo.sequence_logprobs
     results = []
     for grouped in (True, False):
