@@ -8,6 +8,7 @@ again: it samples as fast as the base, takes the same kernels, and loads without
 from __future__ import annotations
 
 import copy
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +25,13 @@ def with_lora(model: torch.nn.Module, rank: int, *, adapter: Path | None = None)
         from peft import PeftModel, get_peft_model
     except ImportError as exc:
         raise ImportError("lora_r > 0 needs peft: pip install peft") from exc
-    if adapter is not None:
-        return PeftModel.from_pretrained(model, str(adapter), is_trainable=True)
-    return get_peft_model(model, lora_config(rank))
+    with warnings.catch_warnings():
+        # peft reads transformers' deprecated `is_gradient_checkpointing`: its FutureWarning is
+        # theirs to fix, and would reach every LoRA run's console
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+        if adapter is not None:
+            return PeftModel.from_pretrained(model, str(adapter), is_trainable=True)
+        return get_peft_model(model, lora_config(rank))
 
 
 def lora_config(rank: int) -> Any:

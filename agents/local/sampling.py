@@ -29,6 +29,7 @@ from cgym.agents.local.kv_cache import (
     use_prefix_attention,
 )
 from cgym.agents.local.lookup import LOOKUP_ROWS, LOOKUP_TOKENS, PromptLookup
+from cgym.agents.local.target_logprobs import target_logprobs
 from cgym.agents.local.turn_cache import Reuse, TurnCache
 from cgym.agents.options import SamplingOptions
 from torch import Tensor
@@ -96,8 +97,8 @@ def sequence_logprobs(
         **kwargs,
     ).logits  # (B, T, V), or (B, K, V) for the kept columns
     if kept is None:
-        return _target_logprobs(logits[:, :-1], input_ids[:, 1:], scale)
-    return _scatter_columns(_target_logprobs(logits, input_ids[:, 1:][:, kept], scale), kept, input_ids.shape[1] - 1)
+        return target_logprobs(logits[:, :-1], input_ids[:, 1:], scale)
+    return _scatter_columns(target_logprobs(logits, input_ids[:, 1:][:, kept], scale), kept, input_ids.shape[1] - 1)
 
 
 MIN_SHARED_PREFIX = 16  # shorter shared prefixes are not worth a second forward call
@@ -143,7 +144,7 @@ def _prefix_shared_logprobs(
         logits_to_keep=kept - start,
         **{_forward_kwargs(model)[0]: cache},
     )
-    shared_lp = _target_logprobs(out.logits.expand(batch, -1, -1), input_ids[:, 1:][:, kept], scale)  # (B, K0)
+    shared_lp = target_logprobs(out.logits.expand(batch, -1, -1), input_ids[:, 1:][:, kept], scale)  # (B, K0)
     if head is not None:
         keys = [torch.cat([k, layer.new_keys], 2) for k, layer in zip(head.keys, cache.layers, strict=True)]
         values = [torch.cat([v, layer.new_values], 2) for v, layer in zip(head.values, cache.layers, strict=True)]
@@ -170,7 +171,7 @@ def _tail_logprobs(model: PreTrainedModel, input_ids: Tensor, attention_mask: Te
         logits_to_keep=tail - start,
         **{_forward_kwargs(model)[0]: cache},
     )
-    return tail, _target_logprobs(out.logits, input_ids[:, 1:][:, tail], scale)
+    return tail, target_logprobs(out.logits, input_ids[:, 1:][:, tail], scale)
 
 
 @dataclass
@@ -233,17 +234,6 @@ def _kept_columns(columns: Tensor | None, start: int, stop: int, model: PreTrain
     if columns is None or not _forward_kwargs(model)[1]:
         return None
     return columns[start:stop].nonzero().squeeze(1) + start
-
-
-def _target_logprobs(logits: Tensor, targets: Tensor, scale: float) -> Tensor:
-    """(B, K, V) logits and (B, K) targets -> (B, K) log-probs, one row's log-softmax at a time."""
-    rows = []
-    for b in range(logits.shape[0]):
-        row = logits[b].float()  # (K, V)
-        if scale != 1.0:
-            row = row / scale
-        rows.append(row.gather(-1, targets[b, :, None]).squeeze(-1) - torch.logsumexp(row, dim=-1))
-    return torch.stack(rows)
 
 
 def _scatter_columns(values: Tensor, columns: Tensor, width: int) -> Tensor:

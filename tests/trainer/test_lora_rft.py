@@ -114,3 +114,17 @@ def test_a_lora_wrapped_model_keeps_only_the_scored_logit_columns(tiny_model: Pa
         sequence_logprobs(model, ids, torch.ones_like(ids), mask=mask, share_prefix=False)
         hook.remove()
     assert widths == [5, 5], f"LM head widths {widths}: full logits are 40 columns"
+
+
+def test_wrapping_a_model_in_lora_warns_of_nothing(tiny_model: Path) -> None:  # noqa: F811
+    """peft reads a property transformers deprecated; its FutureWarning reached every LoRA run's console."""
+    import warnings
+
+    from cgym.agents.local.lora import with_lora
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with_lora(model, 4)
+    assert not [w for w in caught if issubclass(w.category, FutureWarning)], [str(w.message) for w in caught]

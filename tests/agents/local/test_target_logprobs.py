@@ -1,0 +1,55 @@
+"""The fused target log-probs against the plain `gather - logsumexp` they replace."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from cgym.agents.local.target_logprobs import target_logprobs
+
+
+def _reference(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    scaled = logits.float() / temperature
+    return scaled.gather(-1, targets[..., None]).squeeze(-1) - torch.logsumexp(scaled, dim=-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_values_and_gradients_equal_the_plain_log_softmax(dtype: torch.dtype, temperature: float) -> None:
+    torch.manual_seed(0)
+    base = (torch.randn(3, 7, 50) * 4).to(dtype)
+    targets = torch.randint(0, 50, (3, 7))
+    weights = torch.randn(3, 7)
+    results = []
+    for fn in (_reference, target_logprobs):
+        logits = base.clone().requires_grad_()
+        out = fn(logits, targets, temperature)
+        (out * weights).sum().backward()
+        results.append((out.detach(), logits.grad))
+    (want, want_grad), (got, got_grad) = results
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    assert got_grad.dtype == dtype
+    tolerance = 1e-6 if dtype == torch.float32 else 8e-3  # the gradient is rounded to the logits' dtype either way
+    torch.testing.assert_close(got_grad.float(), want_grad.float(), rtol=0, atol=tolerance)
+
+
+def test_a_row_broadcast_to_several_targets_sums_their_gradients() -> None:
+    """`sequence_logprobs` scores a batch-1 shared pass's logits for every row through `expand`."""
+    torch.manual_seed(1)
+    logits = torch.randn(1, 4, 20, requires_grad=True)
+    targets = torch.randint(0, 20, (3, 4))
+    target_logprobs(logits.expand(3, -1, -1), targets).sum().backward()
+    fused = logits.grad.clone()
+    logits.grad = None
+    _reference(logits.expand(3, -1, -1), targets, 1.0).sum().backward()
+    torch.testing.assert_close(fused, logits.grad, rtol=0, atol=1e-6)
+
+
+def test_the_backward_pass_keeps_the_logits_not_an_fp32_copy() -> None:
+    """What autograd holds between the passes: the bf16 logits (2 bytes a value), not a 4-byte copy."""
+    logits = torch.randn(2, 5, 30, dtype=torch.bfloat16, requires_grad=True)
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        target_logprobs(logits, torch.zeros(2, 5, dtype=torch.long))
+    big = [t for t in saved if t.numel() >= 5 * 30]
+    assert big and all(t.dtype == torch.bfloat16 for t in big), [(t.dtype, tuple(t.shape)) for t in saved]
