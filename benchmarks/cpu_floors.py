@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from cgym.agents.local.sampling import LOOKUP_TOKENS
 from cgym.agents.options import SamplingOptions
-from cgym.benchmarks.output import emit
+from cgym.benchmarks.output import emit, machine
 from cgym.trainer.metrics import peak_rss_gb
 
 ENV_ID = "cgym/ApiReport-v0"
@@ -218,6 +218,7 @@ def run(model: str, *, steps: int, episodes: int, draft_tokens: int = LOOKUP_TOK
     exps_per_s = max(exps_before, exp_rate_per_s())
     median = sorted(range(len(times)), key=times.__getitem__)[len(times) // 2] if times else None
     result: dict[str, Any] = {
+        "machine": machine(),  # the floors were set on one kind of machine: a figure says which it came from
         "model": model,
         "env": ENV_ID,
         "env_kwargs": env_kwargs,

@@ -30,7 +30,8 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -85,6 +86,11 @@ class BenchConfig:
     """Give TRL its `bf16=True` (autocast on CPU); ours runs bf16 where the CPU has it either way."""
     seed: int = 0
     """Seeds the task draw, sampling and TRL's trainer."""
+    every_row: bool = True
+    """Our loss pass runs every row, as TRL's does. Training skips rows whose every token has
+    advantage 0 (a group that all passed or all failed): with a start that fails (or passes)
+    every task, that skips our whole loss pass while TRL still runs its, and the ratio compares
+    different work. False times ours as it trains."""
 
     def __post_init__(self) -> None:
         check_loss_type(self.loss_type)
@@ -236,6 +242,7 @@ def alternate(ours: Any) -> Any:
             self.ours_s: list[float] = []
             self.ours_tokens: list[int] = []
             self.ours_rollout_s: list[float] = []
+            self.ours_trained_rows: list[int] = []
             self._began = 0.0
 
         def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
@@ -248,11 +255,27 @@ def alternate(ours: Any) -> Any:
             self.ours_s.append(time.perf_counter() - began)
             self.ours_tokens.append(int(row["tokens/initial"]))
             self.ours_rollout_s.append(float(row["rollout_time_s"]))
+            self.ours_trained_rows.append(int(row.get("trained_rows", 0)))
 
     return Alternate()
 
 
 # -- the run ----------------------------------------------------------------------------------
+@contextmanager
+def every_row_trained(on: bool) -> Iterator[None]:
+    """Within the block (when `on`), our GRPO update runs its loss pass on every row, as TRL does,
+    instead of only the rows with a nonzero advantage (`rollout.rows_with_signal`)."""
+    import cgym.trainer.grpo as grpo
+
+    chosen = grpo.rows_with_signal
+    if on:
+        grpo.rows_with_signal = lambda batch, *, with_kl=False: list(range(batch.ids.shape[0]))
+    try:
+        yield
+    finally:
+        grpo.rows_with_signal = chosen
+
+
 def run(*, vs: str = "trl", steps: int = 5, **kw: Any) -> dict[str, Any]:
     """Median seconds per GRPO step for ours and TRL, alternating, after one warm-up step each.
 
@@ -285,7 +308,8 @@ def run(*, vs: str = "trl", steps: int = 5, **kw: Any) -> dict[str, Any]:
         trl_tokens: list[int] = []
         callback = alternate(our_state(config, model_dir, root / "ours", seen))
         trainer = trl_trainer(config, model_dir, root / "trl", rows, env_reward(trl_tokens), callback)
-        trainer.train()
+        with every_row_trained(config.every_row):
+            trainer.train()
     ours_s, trl_s = callback.ours_s[WARMUP_STEPS:], callback.trl_s[WARMUP_STEPS:]
     ours, theirs = statistics.median(ours_s), statistics.median(trl_s)
     return {
@@ -301,6 +325,7 @@ def run(*, vs: str = "trl", steps: int = 5, **kw: Any) -> dict[str, Any]:
         "trl_steps_s": [round(s, 4) for s in trl_s],
         "ours_rollout_s": round(statistics.median(callback.ours_rollout_s[WARMUP_STEPS:]), 4),
         "ours_tokens_per_step": statistics.mean(callback.ours_tokens[WARMUP_STEPS:]),
+        "ours_trained_rows": callback.ours_trained_rows[WARMUP_STEPS:],  # of config.batch a step: fewer where flat rows were skipped
         "trl_tokens_per_step": statistics.mean(trl_tokens[WARMUP_STEPS:]),
         "prompt_tokens_mean": round(statistics.mean(len(tokenizer.encode(r["prompt"], add_special_tokens=False)) for r in rows), 1),
         "same_prompt_ids": same_prompt_ids(rows, tokenizer),
@@ -329,6 +354,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--trl-bf16", action="store_true", help="give TRL its bf16 option (autocast on CPU)")
     parser.add_argument("--lora-r", type=int, default=0, help="LoRA rank on both sides, every linear layer (0: every weight trains)")
     parser.add_argument("--micro-batch", type=int, default=0, help="rows per forward/backward pass on both sides (0: the whole batch)")
+    parser.add_argument("--skip-flat-rows", action="store_true", help="ours skips rows with no advantage, as training does (TRL runs them: not the same work)")
     parser.add_argument("--json", type=Path, help="write the result here")
     args = parser.parse_args(argv)
     from cgym import envs  # noqa: F401 - registers the built-in envs
@@ -336,7 +362,7 @@ def main(argv: list[str] | None = None) -> None:
     result = run(
         steps=args.steps, model=args.model, group_size=args.group_size, tasks_per_step=args.tasks_per_step,
         max_new_tokens=args.max_new_tokens, loss_type=args.loss_type, threads=args.threads,
-        trl_bf16=args.trl_bf16, lora_r=args.lora_r, micro_batch=args.micro_batch,
+        trl_bf16=args.trl_bf16, lora_r=args.lora_r, micro_batch=args.micro_batch, every_row=not args.skip_flat_rows,
     )  # fmt: skip
     emit(result, args.json)
 

@@ -1,7 +1,8 @@
 from __future__ import annotations
 
 import pytest
-from cgym.benchmarks.trainer_vs_trl import BenchConfig, run
+import torch
+from cgym.benchmarks.trainer_vs_trl import BenchConfig, every_row_trained, run
 
 pytest.importorskip("trl")
 pytest.importorskip("datasets")
@@ -20,6 +21,7 @@ def test_tiny_run_reports_both_medians_and_ratio(lora_r: int, micro_batch: int) 
     assert len(result["ours_steps_s"]) == len(result["trl_steps_s"]) == 2
     assert result["same_tasks"] and result["same_prompt_ids"]
     assert max(result["ours_tokens_per_step"], result["trl_tokens_per_step"]) <= 2 * 2 * 8
+    assert result["ours_trained_rows"] == [4, 4], "TRL's loss pass runs every row: so must ours, for the same work"
 
 
 @pytest.mark.parametrize("kw", [{"vs": "vllm"}, {"steps": 0}, {"lora_r": -1}, {"micro_batch": 3}], ids=["unknown-baseline", "no-steps", "negative-rank", "uneven-micro-batch"])
@@ -31,3 +33,18 @@ def test_bad_arguments_raise(kw: dict) -> None:
 def test_config_rejects_unknown_loss_type() -> None:
     with pytest.raises(ValueError, match="did you mean|Did you mean"):
         BenchConfig(loss_type="dapoo")
+
+
+def test_every_row_trained_runs_rows_without_signal_then_restores_the_trainer() -> None:
+    import cgym.trainer.grpo as grpo
+    from cgym.trainer.rollout import Batch
+
+    chosen = grpo.rows_with_signal
+    ids = torch.ones(3, 4, dtype=torch.long)
+    flat = Batch(ids, torch.ones_like(ids), torch.ones(3, 3), torch.zeros(3, 3), torch.zeros(3), torch.zeros(3, dtype=torch.bool))
+    assert grpo.rows_with_signal(flat) == []
+    with every_row_trained(True):
+        assert grpo.rows_with_signal(flat) == [0, 1, 2]
+    with every_row_trained(False):
+        assert grpo.rows_with_signal(flat) == []
+    assert grpo.rows_with_signal is chosen
