@@ -269,7 +269,7 @@ def every_row_trained(on: bool) -> Iterator[None]:
 
     chosen = grpo.rows_with_signal
     if on:
-        grpo.rows_with_signal = lambda batch, *, with_kl=False: list(range(batch.ids.shape[0]))
+        grpo.rows_with_signal = lambda batch, *, with_kl=False: chosen(batch, with_kl=True)  # its every-row branch
     try:
         yield
     finally:
