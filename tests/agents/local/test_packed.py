@@ -1,0 +1,111 @@
+"""Pre-packed linear layers for the bf16 sampler: the same products as `F.linear`, the same
+samples, weights that follow the trainer's, and no packing where it does not apply."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from cgym.agents.local.packed import PackedLinear, is_packed, pack_linears, packable
+from cgym.agents.local.precision import DTYPE_ENV, SamplingWeights, cpu_has_bf16
+from cgym.agents.local.sampling import sample_batch
+from cgym.agents.options import SamplingOptions
+from torch import nn
+from transformers import AutoModelForCausalLM
+
+
+def _bf16_model(path: Path) -> nn.Module:
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval().requires_grad_(False)
+
+
+def _same(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Bit for bit where the CPU has native bf16 (both sides run oneDNN's bf16 kernel); within
+    bf16 rounding elsewhere, where `F.linear` may take another kernel."""
+    if cpu_has_bf16():
+        assert torch.equal(actual, expected)
+    else:
+        torch.testing.assert_close(actual.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
+requires_packing = pytest.mark.skipif(not packable(nn.Linear(2, 2).to(torch.bfloat16)), reason="this PyTorch has no oneDNN packed linear")
+
+
+@requires_packing
+@pytest.mark.parametrize("shape", [(1, 96), (12, 96), (3, 7, 96), (2, 1, 96), (100, 96)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_a_packed_layer_computes_what_f_linear_does(shape: tuple[int, ...], bias: bool) -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 160, bias=bias).to(torch.bfloat16)
+    x = torch.randn(shape).to(torch.bfloat16)
+    packed = PackedLinear(linear.weight, linear.bias)
+    with torch.no_grad():
+        _same(packed(x), linear(x))
+        _same(packed(x.transpose(0, -1).contiguous().transpose(0, -1)), linear(x))  # strided input
+
+
+@requires_packing
+def test_a_packed_layer_loads_new_weights_and_refuses_the_wrong_shape() -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(32, 48).to(torch.bfloat16)
+    packed = PackedLinear(linear.weight, linear.bias)
+    fp32 = nn.Linear(32, 48)  # the trainer's master weights: cast on load
+    packed.load(fp32.weight, fp32.bias)
+    x = torch.randn(5, 32).to(torch.bfloat16)
+    with torch.no_grad():
+        _same(packed(x), fp32.to(torch.bfloat16)(x))
+    with pytest.raises(ValueError, match="48 layer"):
+        packed.load(torch.zeros(32, 32), None)
+
+
+@requires_packing
+def test_a_packed_model_gives_the_same_logits_and_samples(tiny_chat_model: Path) -> None:
+    plain = _bf16_model(tiny_chat_model)
+    packed = pack_linears(copy.deepcopy(plain))
+    assert is_packed(packed) and not is_packed(plain)
+    assert not any(type(module) is nn.Linear for module in packed.modules())
+    # the LM head is tied to the embeddings: the embedding keeps the weight, the head packs it
+    assert packed.get_input_embeddings().weight.data_ptr() != 0 and isinstance(packed.lm_head, PackedLinear)
+    ids = torch.tensor([[1, 5, 9, 13, 17, 21, 25], [2, 6, 10, 14, 18, 22, 26]])
+    with torch.no_grad():
+        _same(packed(input_ids=ids).logits, plain(input_ids=ids).logits)
+    prompts = [[1, 5, 9, 13], [2, 6, 10, 14, 18, 22], [3, 7]]
+    for params in (SamplingOptions(temperature=0.0, max_new_tokens=12), SamplingOptions(temperature=1.0, max_new_tokens=12, seed=3)):
+        runs = [
+            sample_batch(model, prompts, params=params, stop_ids={0}, pad_id=0, generator=torch.Generator().manual_seed(3))
+            for model in (plain, packed)
+        ]
+        if cpu_has_bf16():
+            assert runs[0] == runs[1]
+        else:
+            assert [s.ids[:1] for s in runs[0]] == [s.ids[:1] for s in runs[1]]
+
+
+def test_fp32_and_parameterless_models_are_left_plain(tiny_chat_model: Path) -> None:
+    model = AutoModelForCausalLM.from_pretrained(tiny_chat_model, dtype=torch.float32)
+    assert not packable(model) and pack_linears(model) is model and not is_packed(model)
+    assert not packable(nn.Identity())
+
+
+@requires_packing
+@pytest.mark.skipif(not cpu_has_bf16(), reason="this CPU has no native bf16")
+def test_the_samplers_copy_is_packed_and_follows_the_trainers_weights(tiny_chat_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp32 master weights, full fine-tuning: the bf16 copy is packed once, then refreshed in
+    place after each update, packed layers included."""
+    monkeypatch.setenv(DTYPE_ENV, "bfloat16")
+    model = AutoModelForCausalLM.from_pretrained(tiny_chat_model, dtype=torch.float32)
+    weights = SamplingWeights(model)
+    first = weights.get()
+    assert is_packed(first) and not is_packed(model)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "proj" in name:  # linear layers, and the rest left alone
+                param.mul_(1.5)
+    again = weights.get()
+    assert again is first
+    fresh = pack_linears(copy.deepcopy(model).to(torch.bfloat16))
+    ids = torch.tensor([[1, 5, 9, 13, 17, 21]])
+    with torch.no_grad():
+        assert torch.equal(again(input_ids=ids).logits, fresh(input_ids=ids).logits)
+        assert not torch.equal(again(input_ids=ids).logits, _bf16_model(tiny_chat_model)(input_ids=ids).logits)
