@@ -72,10 +72,7 @@ def test_a_packed_model_gives_the_same_logits_and_samples(tiny_chat_model: Path)
         _same(packed(input_ids=ids).logits, plain(input_ids=ids).logits)
     prompts = [[1, 5, 9, 13], [2, 6, 10, 14, 18, 22], [3, 7]]
     for params in (SamplingOptions(temperature=0.0, max_new_tokens=12), SamplingOptions(temperature=1.0, max_new_tokens=12, seed=3)):
-        runs = [
-            sample_batch(model, prompts, params=params, stop_ids={0}, pad_id=0, generator=torch.Generator().manual_seed(3))
-            for model in (plain, packed)
-        ]
+        runs = [sample_batch(model, prompts, params=params, stop_ids={0}, pad_id=0, generator=torch.Generator().manual_seed(3)) for model in (plain, packed)]
         if cpu_has_bf16():
             assert runs[0] == runs[1]
         else:
