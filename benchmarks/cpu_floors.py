@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from cgym.agents.local.packed import own_weights
 from cgym.agents.local.sampling import LOOKUP_TOKENS
 from cgym.agents.options import SamplingOptions
 from cgym.benchmarks.output import emit, machine
@@ -61,8 +62,8 @@ class FlopCount:
 def forward_flops(model: Any, rows: int, new: int, keys: int, head_columns: int) -> float:
     """Dense FLOPs of one forward: `rows` x `new` tokens, each attending to about `keys` keys."""
     cfg = model.config
-    embedding = cfg.vocab_size * cfg.hidden_size
-    body = sum(p.numel() for p in model.parameters()) - embedding * (1 if cfg.tie_word_embeddings else 2)
+    ends = {id(model.get_input_embeddings()), id(model.get_output_embeddings())}
+    body = sum(own_weights(module) for module in model.modules() if id(module) not in ends)  # a packed copy's layers too
     causal_keys = keys - (new - 1) / 2  # a prefill's queries see on average half their own block
     return rows * (2 * body * new + 4 * cfg.num_hidden_layers * cfg.hidden_size * new * causal_keys + 2 * cfg.hidden_size * cfg.vocab_size * head_columns)
 

@@ -220,14 +220,15 @@ class PrefixCache:
         self.entry = PrefixEntry(tuple(ids), [layer.keys.clone() for layer in layers], [layer.values.clone() for layer in layers], weights_version(model))
 
 
-FOLDED_FROM = "cgym_folded_from"  # on a LoRA model's folded sampling copy: the version it was folded from
+FOLDED_FROM = "cgym_folded_from"  # on a sampling copy (a LoRA model's folded one, a packed one): its source's version
 
 
 def weights_version(model: torch.nn.Module) -> tuple[int, int]:
     """Changes whenever a parameter is modified in place (optimizer steps, `load_state_dict`)
-    or replaced by new storage (`model.to(...)`). A folded copy of a LoRA model answers with its
-    source's version: a new copy may be allocated where the last one was freed, with the same
-    pointers and counters, and would pass for it."""
+    or replaced by new storage (`model.to(...)`). The sampler's copy of a model answers with its
+    source's version: a LoRA model's folded copy may be allocated where the last one was freed,
+    with the same pointers and counters, and would pass for it, and a packed copy's linear
+    weights are not parameters at all."""
     folded = getattr(model, FOLDED_FROM, None)
     if folded is not None:
         return folded

@@ -86,6 +86,15 @@ def copy_weights(copy: nn.Module, source: nn.Module) -> None:
                 mine.copy_(theirs)
 
 
+def own_weights(module: nn.Module) -> int:
+    """Number of weights `module` holds itself, not through its children: its parameters, and a
+    packed layer's packed ones (which are not parameters)."""
+    own = sum(p.numel() for p in module.parameters(recurse=False))
+    if isinstance(module, PackedLinear):
+        own += module.in_features * module.out_features + (0 if module.bias is None else module.out_features)
+    return own
+
+
 def is_packed(model: nn.Module) -> bool:
     """Whether any linear layer of `model` is packed."""
     return any(isinstance(module, PackedLinear) for module in model.modules())

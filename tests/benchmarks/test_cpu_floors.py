@@ -24,6 +24,20 @@ def test_forward_flops_is_linear_in_rows_and_grows_with_keys(model: torch.nn.Mod
     assert one > 2 * body  # the body, plus attention and the LM head
 
 
+def test_a_packed_copy_counts_the_flops_of_the_model_it_copies(model: torch.nn.Module) -> None:
+    """The sampler's packed copy holds its linear weights outside `parameters()`: counted all the same."""
+    import copy
+
+    from cgym.agents.local.packed import is_packed, pack_linears, packable
+
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    if not packable(bf16):
+        pytest.skip("this PyTorch has no oneDNN packed linear")
+    packed = pack_linears(copy.deepcopy(bf16))
+    assert is_packed(packed)
+    assert forward_flops(packed, 3, 5, 40, 2) == forward_flops(bf16, 3, 5, 40, 2) == forward_flops(model, 3, 5, 40, 2)
+
+
 def test_counting_splits_inference_from_training_and_restores_forward(model: torch.nn.Module) -> None:
     cls = type(model)
     original = cls.forward

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cgym.agents.local.kv_cache import weights_version
 from cgym.agents.local.packed import PackedLinear, is_packed, pack_linears, packable
 from cgym.agents.local.precision import DTYPE_ENV, SamplingWeights, cpu_has_bf16
 from cgym.agents.local.sampling import sample_batch
@@ -100,7 +101,7 @@ def test_the_samplers_copy_is_packed_and_follows_the_trainers_weights(tiny_chat_
             if "proj" in name:  # linear layers, and the rest left alone
                 param.mul_(1.5)
     again = weights.get()
-    assert again is first
+    assert again is first and weights_version(again) == weights_version(model)  # what the caches compare
     fresh = pack_linears(copy.deepcopy(model).to(torch.bfloat16))
     ids = torch.tensor([[1, 5, 9, 13, 17, 21]])
     with torch.no_grad():
