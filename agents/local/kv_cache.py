@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from cgym.agents.local.decode_attention import own_attention
 from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
@@ -351,9 +352,13 @@ def split_attention(query: Tensor, key: Tensor, value: Tensor, prefix_k: Tensor,
     out_p = out_p.float().reshape(kv_heads, batch, groups, q_len, dim).transpose(0, 1)  # (B, H_kv, g, q, D)
     lse_p = lse_p.reshape(kv_heads, batch, groups, q_len).transpose(0, 1)
     blind = ~visible.any(-1)  # (B, q)
-    bias = key.new_zeros((batch, 1, groups, q_len, visible.shape[-1])).masked_fill_(~visible[:, None, None], float("-inf"))
-    bias[..., -1].masked_fill_(blind[:, None, None], 0.0)
-    out_o, lse_o = _FLASH_CPU(by_kv.to(key.dtype), key, value, attn_mask=bias.view(batch, 1, groups * q_len, -1), scale=scale)
+    own = own_attention(by_kv.to(key.dtype), key, value, visible, scale)  # a decode step's few queries, where the kernel runs
+    if own is not None:
+        out_o, lse_o = own
+    else:
+        bias = key.new_zeros((batch, 1, groups, q_len, visible.shape[-1])).masked_fill_(~visible[:, None, None], float("-inf"))
+        bias[..., -1].masked_fill_(blind[:, None, None], 0.0)
+        out_o, lse_o = _FLASH_CPU(by_kv.to(key.dtype), key, value, attn_mask=bias.view(batch, 1, groups * q_len, -1), scale=scale)
     share = torch.sigmoid(lse_o.reshape(batch, kv_heads, groups, q_len) - lse_p).masked_fill_(blind[:, None, None], 0.0)
     out = out_p.new_empty((batch, q_len, kv_heads, groups, dim))  # written in the layout returned
     torch.lerp(out_p, out_o.float().reshape(batch, kv_heads, groups, q_len, dim), share[..., None], out=out.permute(0, 2, 3, 1, 4))

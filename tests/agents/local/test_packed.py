@@ -107,3 +107,25 @@ def test_the_samplers_copy_is_packed_and_follows_the_trainers_weights(tiny_chat_
     with torch.no_grad():
         assert torch.equal(again(input_ids=ids).logits, fresh(input_ids=ids).logits)
         assert not torch.equal(again(input_ids=ids).logits, _bf16_model(tiny_chat_model)(input_ids=ids).logits)
+
+
+@requires_packing
+@pytest.mark.skipif(not cpu_has_bf16(), reason="this CPU has no native bf16")
+def test_a_lora_models_folded_copy_is_packed_and_its_base_left_alone(tiny_chat_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("peft")
+    from cgym.agents.local.lora import merged, with_lora
+
+    monkeypatch.setenv(DTYPE_ENV, "bfloat16")
+    model = with_lora(AutoModelForCausalLM.from_pretrained(tiny_chat_model, dtype=torch.float32), 4)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.add_(0.05)
+    base = {name: param.clone() for name, param in model.named_parameters() if "lora" not in name}
+    folded = SamplingWeights(model).get()
+    assert is_packed(folded) and not is_packed(model)
+    assert all(torch.equal(param, base[name]) for name, param in model.named_parameters() if "lora" not in name)
+    plain = merged(model).to(torch.bfloat16).eval()
+    ids = torch.tensor([[1, 5, 9, 13, 17, 21]])
+    with torch.no_grad():
+        _same(folded(input_ids=ids).logits, plain(input_ids=ids).logits)

@@ -1,0 +1,251 @@
+"""Attention of a decode step's few queries over each row's own bf16 keys, in a small C kernel.
+
+In a decode step every row has a few queries per kv head (the query heads of its group, times
+one id, or a few with drafted ids) over its own cached keys. PyTorch's CPU flash-attention kernel
+spends that time on per-(row, head) set-up, not arithmetic: on the 2-core AVX512-BF16 machine,
+100 rows x 3 kv heads x 3 queries over ~220 keys took 2.1-2.5 ms a layer where reading the keys
+takes ~0.1 ms, more than a third of a 100-row decode step (`benchmarks/RESULTS.md`). The kernel
+below reads each key and value row once for all of its head's queries, takes the dot products
+with AVX512-BF16's `vdpbf16ps` (bf16 pairs multiplied exactly, summed in fp32), keeps the
+softmax weights in fp32 (the flash kernel rounds them to bf16 before they meet the values), and
+returns each query's log-sum-exp, as the flash kernel does, for `kv_cache.split_attention` to
+merge with the shared prefix's part.
+
+It is compiled on first use (about a second) with the system's C compiler, linked to the OpenMP
+runtime PyTorch loaded (one thread pool), and kept in the model cache's `kernels/` by the
+source's hash. Without a compiler, on a CPU without
+AVX512-BF16, or where the build fails, `own_attention` answers None and the caller keeps the
+flash kernel. `CGYM_DECODE_KERNEL=0` turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch
+from cgym.agents.pretrained import ModelFetchError, cache_root
+from torch import Tensor
+
+KERNEL_ENV = "CGYM_DECODE_KERNEL"
+MAX_QUERIES = 16  # per row and kv head (query heads per kv head x new ids): decode steps and drafts
+HEAD_DIM = 64  # the kernel's head size (SmolLM2, Qwen2.5-0.5B, Llama-3.2-1B); others keep flash
+
+_SOURCE = r"""
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define D 64
+#define MASKED (-1e30f)
+
+/* e^x for x <= 0 (x >= -87.3 or it is 0), 16 lanes: 2^n * p(r), x = n ln2 + r, |r| <= ln2 / 2 */
+static inline __m512 exp_neg(__m512 x) {
+    const __m512 lo = _mm512_set1_ps(-87.3f);
+    __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+    x = _mm512_max_ps(x, lo);
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    __m512 out = _mm512_scalef_ps(p, n);
+    return _mm512_mask_blend_ps(under, out, _mm512_setzero_ps());
+}
+
+static inline __m512 bf16_lo(__m512i x) { /* bf16 pairs -> the low element of each as fp32 */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+}
+static inline __m512 bf16_hi(__m512i x) {
+    return _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32((int)0xffff0000)));
+}
+
+/* out[b, h, m, :] = softmax over the visible s of (q[b, h, m] . k[b, h, s]) * scale, times v;
+   lse[b, h, m] = log of that softmax's denominator (-inf, and out 0, where no key is visible).
+   Query m reads visibility row m % qlen. Strides in elements; the last dimension is contiguous. */
+void own_attention(const uint16_t *q, const uint16_t *k, const uint16_t *v, const uint8_t *visible,
+                   float *out, float *lse, long B, long H, long M, long S, long qlen,
+                   long qsb, long qsh, long qsm, long ksb, long ksh, long kss,
+                   long vsb, long vsh, long vss, long isb, long isq, long iss,
+                   float scale, int threads) {
+#pragma omp parallel for collapse(2) schedule(static) num_threads(threads)
+    for (long b = 0; b < B; b++) {
+        for (long h = 0; h < H; h++) {
+            long width = (S + 15) & ~15L;
+            float *scores = aligned_alloc(64, sizeof(float) * M * width);
+            float *o = out + (b * H + h) * M * D;
+            __m512bh qv[16][2];
+            float peak[16], total[16];
+            for (long m = 0; m < M; m++) {
+                const uint16_t *qm = q + b * qsb + h * qsh + m * qsm;
+                qv[m][0] = (__m512bh)_mm512_loadu_si512(qm);
+                qv[m][1] = (__m512bh)_mm512_loadu_si512(qm + 32);
+                peak[m] = MASKED;
+            }
+            for (long s = 0; s < S; s++) {
+                const uint16_t *ks = k + b * ksb + h * ksh + s * kss;
+                __m512bh k0 = (__m512bh)_mm512_loadu_si512(ks), k1 = (__m512bh)_mm512_loadu_si512(ks + 32);
+                for (long m = 0; m < M; m++) {
+                    float score = MASKED;
+                    if (visible[b * isb + (m % qlen) * isq + s * iss]) {
+                        __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[m][0], k0);
+                        acc = _mm512_dpbf16_ps(acc, qv[m][1], k1);
+                        score = _mm512_reduce_add_ps(acc) * scale;
+                        if (score > peak[m]) peak[m] = score;
+                    }
+                    scores[m * width + s] = score;
+                }
+            }
+            for (long m = 0; m < M; m++) {
+                float *row = scores + m * width;
+                for (long s = S; s < width; s++) row[s] = MASKED;
+                __m512 top = _mm512_set1_ps(peak[m]), sum = _mm512_setzero_ps();
+                for (long s = 0; s < width; s += 16) {
+                    __m512 x = _mm512_load_ps(row + s);
+                    __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(MASKED), _CMP_GT_OQ);
+                    __m512 w = _mm512_maskz_mov_ps(live, exp_neg(_mm512_sub_ps(x, top)));
+                    _mm512_store_ps(row + s, w);
+                    sum = _mm512_add_ps(sum, w);
+                }
+                total[m] = _mm512_reduce_add_ps(sum);
+                lse[(b * H + h) * M + m] = peak[m] == MASKED ? -INFINITY : peak[m] + logf(total[m]);
+            }
+            __m512 acc[16][4];
+            for (long m = 0; m < M; m++)
+                for (int j = 0; j < 4; j++) acc[m][j] = _mm512_setzero_ps();
+            for (long s = 0; s < S; s++) {
+                const uint16_t *vs = v + b * vsb + h * vsh + s * vss;
+                /* v[0..31] as pairs: even elements in bf16_lo, odd in bf16_hi; kept in that order and
+                   interleaved once at the end */
+                __m512i v0 = _mm512_loadu_si512(vs), v1 = _mm512_loadu_si512(vs + 32);
+                __m512 r0 = bf16_lo(v0), r1 = bf16_hi(v0), r2 = bf16_lo(v1), r3 = bf16_hi(v1);
+                for (long m = 0; m < M; m++) {
+                    float w = scores[m * width + s];
+                    if (w == 0.0f) continue;
+                    __m512 ww = _mm512_set1_ps(w);
+                    acc[m][0] = _mm512_fmadd_ps(ww, r0, acc[m][0]);
+                    acc[m][1] = _mm512_fmadd_ps(ww, r1, acc[m][1]);
+                    acc[m][2] = _mm512_fmadd_ps(ww, r2, acc[m][2]);
+                    acc[m][3] = _mm512_fmadd_ps(ww, r3, acc[m][3]);
+                }
+            }
+            for (long m = 0; m < M; m++) {
+                float even[16], odd[16];
+                float inv = peak[m] == MASKED ? 0.0f : 1.0f / total[m];
+                float *om = o + m * D;
+                for (int half = 0; half < 2; half++) {
+                    _mm512_storeu_ps(even, _mm512_mul_ps(acc[m][2 * half], _mm512_set1_ps(inv)));
+                    _mm512_storeu_ps(odd, _mm512_mul_ps(acc[m][2 * half + 1], _mm512_set1_ps(inv)));
+                    for (int i = 0; i < 16; i++) {
+                        om[32 * half + 2 * i] = even[i];
+                        om[32 * half + 2 * i + 1] = odd[i];
+                    }
+                }
+            }
+            free(scores);
+        }
+    }
+}
+"""
+
+
+def enabled() -> bool:
+    """Whether the kernel may be used (`CGYM_DECODE_KERNEL=0` turns it off)."""
+    return os.environ.get(KERNEL_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def _cpu_has_avx512_bf16() -> bool:
+    try:
+        return "avx512_bf16" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+@cache
+def _library() -> ctypes.CDLL | None:
+    """The compiled kernel, built on first use and cached by the source's hash; None where it cannot be built."""
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if compiler is None or not sys.platform.startswith("linux") or not _cpu_has_avx512_bf16():
+        return None
+    omp = Path(torch.__file__).parent / "lib"
+    link = [f"-L{omp}", f"-Wl,-rpath,{omp}"] if any(omp.glob("libgomp*.so*")) else []
+    flags = ["-O3", "-mavx512f", "-mavx512bf16", "-mfma", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC"]
+    digest = hashlib.sha256("\0".join([_SOURCE, compiler, *flags, *link]).encode()).hexdigest()[:16]
+    try:
+        target = cache_root() / "kernels" / f"own_attention_{digest}.so"  # beside the models
+    except ModelFetchError:  # the cache names a file: no kernel, and the models say why
+        return None
+    if not target.exists():
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+                source, built = Path(tmp) / "own_attention.c", Path(tmp) / target.name
+                source.write_text(_SOURCE)
+                subprocess.run([compiler, *flags, str(source), "-o", str(built), *link], check=True, capture_output=True, timeout=120)
+                os.replace(built, target)  # atomic: a concurrent build finds a whole file or none
+        except (OSError, subprocess.SubprocessError):
+            return None
+    try:
+        lib = ctypes.CDLL(str(target))
+    except OSError:
+        return None
+    lib.own_attention.restype = None
+    lib.own_attention.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_long] * 17 + [ctypes.c_float, ctypes.c_int]
+    return lib
+
+
+def available() -> bool:
+    """Whether `own_attention` runs the kernel here (enabled, and built or buildable)."""
+    return enabled() and _library() is not None
+
+
+def own_attention(query: Tensor, key: Tensor, value: Tensor, visible: Tensor, scale: float) -> tuple[Tensor, Tensor] | None:
+    """(B, H_kv, M, D) bf16 queries over (B, H_kv, S, D) bf16 keys and values where `visible`
+    ((B, q, S) bool; query m reads row m % q) allows: (B, H_kv, M, D) fp32 outputs and (B, H_kv, M)
+    fp32 log-sum-exps of the scaled scores (-inf, and output 0, for a query that sees no key).
+    None where the kernel does not apply (another dtype, device or head size, a prefill's many
+    queries, gradients wanted, no kernel here): the caller runs its own path."""
+    batch, heads, queries, dim = query.shape
+    if (
+        not enabled()
+        or dim != HEAD_DIM
+        or queries > MAX_QUERIES
+        or query.device.type != "cpu"
+        or not (query.dtype == key.dtype == value.dtype == torch.bfloat16)
+        or key.shape[:2] != (batch, heads)
+        or value.shape != key.shape
+        or key.shape[2] == 0
+        or visible.shape != (batch, visible.shape[1], key.shape[2])
+        or visible.shape[1] == 0
+        or queries % visible.shape[1] != 0
+        or any(t.stride(-1) != 1 for t in (query, key, value))
+        or (torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)))
+    ):
+        return None
+    lib = _library()
+    if lib is None:
+        return None
+    seen = visible.to(torch.uint8)
+    out = torch.empty((batch, heads, queries, dim), dtype=torch.float32)
+    lse = torch.empty((batch, heads, queries), dtype=torch.float32)
+    lib.own_attention(
+        query.data_ptr(), key.data_ptr(), value.data_ptr(), seen.data_ptr(), out.data_ptr(), lse.data_ptr(),
+        batch, heads, queries, key.shape[2], visible.shape[1],
+        *query.stride()[:3], *key.stride()[:3], *value.stride()[:3], *seen.stride(),
+        scale, torch.get_num_threads(),
+    )  # fmt: skip
+    return out, lse

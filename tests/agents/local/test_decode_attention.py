@@ -1,0 +1,151 @@
+"""The decode-step attention kernel: the softmax attention of fp64 arithmetic on the same bf16
+inputs, within fp32 rounding; the flash path's results within its bf16 rounding; and no kernel
+(None, the caller's own path) wherever it does not apply."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from cgym.agents.local import decode_attention
+from cgym.agents.local.decode_attention import KERNEL_ENV, available, own_attention
+from cgym.agents.local.kv_cache import split_attention
+
+requires_kernel = pytest.mark.skipif(not available(), reason="no C compiler or no AVX512-BF16 here: the flash kernel runs")
+
+
+def _inputs(batch: int, queries: int, q_len: int, keys: int, *, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    torch.manual_seed(seed)
+    q = torch.randn(batch, 3, queries, 64).to(torch.bfloat16)
+    k = (torch.randn(batch, 3, keys, 64) * 2).to(torch.bfloat16)
+    v = torch.randn(batch, 3, keys, 64).to(torch.bfloat16)
+    visible = torch.rand(batch, q_len, keys) > 0.3  # padding and causality alike: any pattern
+    return q, k, v, visible
+
+
+def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp64 softmax attention, query m reading visibility row m % q."""
+    rows = visible.repeat(1, q.shape[2] // visible.shape[1], 1)[:, None]  # (B, 1, M, S)
+    scores = (q.double() @ k.double().transpose(-1, -2) * scale).masked_fill(~rows, float("-inf"))
+    lse = torch.logsumexp(scores, -1)
+    return torch.softmax(scores, -1).nan_to_num(0.0) @ v.double(), lse
+
+
+@requires_kernel
+@pytest.mark.parametrize(("batch", "queries", "q_len", "keys"), [(1, 3, 1, 1), (7, 3, 1, 37), (100, 3, 1, 220), (4, 15, 5, 300), (3, 16, 16, 17)])
+def test_the_kernel_is_fp64_attention_within_fp32_rounding(batch: int, queries: int, q_len: int, keys: int) -> None:
+    q, k, v, visible = _inputs(batch, queries, q_len, keys)
+    visible[0] = False  # a row that sees nothing (a pad): lse -inf, output 0
+    got = own_attention(q, k, v, visible, 0.125)
+    assert got is not None
+    out, lse = got
+    ref_out, ref_lse = _reference(q, k, v, visible, 0.125)
+    seen = ~torch.isinf(ref_lse)
+    assert torch.isinf(lse[~seen]).all() and (lse[~seen] < 0).all() and (out[~seen] == 0).all()
+    torch.testing.assert_close(out.double()[seen], ref_out[seen], atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(lse.double()[seen], ref_lse[seen], atol=2e-5, rtol=1e-5)
+
+
+@requires_kernel
+def test_strided_keys_as_a_growing_cache_holds_them() -> None:
+    """A cache keeps keys in a buffer with room to grow: the kernel reads the strided view."""
+    q, k, v, visible = _inputs(5, 6, 2, 40)
+    room_k = torch.zeros(5, 3, 64, 64, dtype=torch.bfloat16)
+    room_v = torch.zeros(5, 3, 64, 64, dtype=torch.bfloat16)
+    room_k[:, :, :40], room_v[:, :, :40] = k, v
+    strided = own_attention(q, room_k[:, :, :40], room_v[:, :, :40], visible, 0.2)
+    packed = own_attention(q, k, v, visible, 0.2)
+    assert strided is not None and packed is not None
+    assert torch.equal(strided[0], packed[0]) and torch.equal(strided[1], packed[1])
+
+
+@requires_kernel
+@pytest.mark.parametrize(("batch", "q_len", "prefix", "own"), [(12, 1, 300, 90), (100, 1, 269, 220), (6, 5, 50, 31)])
+def test_split_attention_with_the_kernel_matches_the_flash_path(batch: int, q_len: int, prefix: int, own: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The whole decode attention (prefix part, own part, merge) with and without the kernel:
+    they differ by the flash kernel's rounding of its weights to bf16, and the kernel is the
+    closer of the two to fp64."""
+    torch.manual_seed(1)
+    query = torch.randn(batch, 9, q_len, 64).to(torch.bfloat16)
+    key = torch.randn(batch, 3, own, 64).to(torch.bfloat16)
+    value = torch.randn(batch, 3, own, 64).to(torch.bfloat16)
+    prefix_k = torch.randn(1, 3, prefix, 64)
+    prefix_v = torch.randn(1, 3, prefix, 64)
+    visible = torch.ones(batch, q_len, own, dtype=torch.bool)
+    visible[:, :, : own // 3] = torch.rand(batch, 1, own // 3) > 0.5  # left padding
+    visible[0] = False  # a pad row
+    with_kernel = split_attention(query, key, value, prefix_k, prefix_v, visible, 0.125)
+    monkeypatch.setenv(KERNEL_ENV, "0")
+    flash = split_attention(query, key, value, prefix_k, prefix_v, visible, 0.125)
+    torch.testing.assert_close(with_kernel, flash, atol=2e-2, rtol=2e-2)
+    # fp64 reference over [prefix | own]
+    keys = torch.cat([prefix_k.double().expand(batch, -1, -1, -1), key.double()], 2).repeat_interleave(3, 1)
+    values = torch.cat([prefix_v.double().expand(batch, -1, -1, -1), value.double()], 2).repeat_interleave(3, 1)
+    sees = torch.cat([torch.ones(batch, q_len, prefix, dtype=torch.bool), visible], 2)[:, None]
+    scores = (query.double() @ keys.transpose(-1, -2) * 0.125).masked_fill(~sees, float("-inf"))
+    ref = (torch.softmax(scores, -1) @ values).transpose(1, 2)  # (B, q, H, D)
+    assert (with_kernel.double() - ref).abs().max() <= (flash.double() - ref).abs().max() + 1e-6
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["float32", "many_queries", "head_dim", "gradients", "switched_off", "no_keys"],
+)
+def test_no_kernel_where_it_does_not_apply(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    q, k, v, visible = _inputs(2, 3, 1, 8)
+    if case == "float32":
+        q, k, v = q.float(), k.float(), v.float()
+    elif case == "many_queries":  # a prefill
+        q = torch.randn(2, 3, 64, 64).to(torch.bfloat16)
+        visible = torch.ones(2, 64, 8, dtype=torch.bool)
+    elif case == "head_dim":
+        q, k, v = q[..., :32].contiguous(), k[..., :32].contiguous(), v[..., :32].contiguous()
+    elif case == "gradients":
+        q.requires_grad_(True)
+    elif case == "switched_off":
+        monkeypatch.setenv(KERNEL_ENV, "0")
+    elif case == "no_keys":
+        k, v, visible = k[:, :, :0], v[:, :, :0], visible[:, :, :0]
+    assert own_attention(q, k, v, visible, 0.125) is None
+
+
+def test_no_compiler_means_no_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    decode_attention._library.cache_clear()
+    monkeypatch.setenv("CC", "no-such-compiler-here")
+    monkeypatch.setattr(decode_attention.shutil, "which", lambda name: None)
+    try:
+        assert not available()
+        q, k, v, visible = _inputs(2, 3, 1, 8)
+        assert own_attention(q, k, v, visible, 0.125) is None
+    finally:
+        decode_attention._library.cache_clear()
+
+
+def test_a_cache_that_is_a_file_means_no_kernel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from cgym.agents.pretrained import CACHE_ENV
+
+    not_a_folder = tmp_path / "cache"
+    not_a_folder.write_text("")
+    decode_attention._library.cache_clear()
+    monkeypatch.setenv(CACHE_ENV, str(not_a_folder))
+    try:
+        assert not available()
+    finally:
+        decode_attention._library.cache_clear()
+
+
+@requires_kernel
+def test_the_kernel_is_built_once_into_the_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from cgym.agents.pretrained import CACHE_ENV
+
+    decode_attention._library.cache_clear()
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
+    try:
+        assert available()
+        built = list((tmp_path / "kernels").glob("own_attention_*.so"))
+        assert len(built) == 1
+        decode_attention._library.cache_clear()
+        assert available() and list((tmp_path / "kernels").glob("*")) == built
+    finally:
+        decode_attention._library.cache_clear()
