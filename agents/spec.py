@@ -40,7 +40,9 @@ def parse_spec(spec: str) -> tuple[str, str]:
 
 
 def load_policy(spec: str, options: SamplingOptions | None = None, *, env_id: str | None = None) -> Policy:
-    """Build the policy a spec names; `env_id`, when known, is the env it will play."""
+    """Build the policy a spec names; `env_id`, when known, is the env it will play. The policy
+    only samples: an `hf:` policy's model is packed for it (`HFPolicy.from_pretrained`'s
+    `inference_only`); to train a model, load it with `HFPolicy.from_pretrained`."""
     kind, rest = parse_spec(spec)
     opts = options or SamplingOptions()
     if kind == "guarded":
@@ -60,7 +62,7 @@ def load_policy(spec: str, options: SamplingOptions | None = None, *, env_id: st
     if kind == "hf":
         from cgym.agents.local.hf import HFPolicy
 
-        return HFPolicy.from_pretrained(rest, sampling=opts)
+        return HFPolicy.from_pretrained(rest, sampling=opts, inference_only=True)
     if kind == "openai":
         from cgym.agents.remote.openai_client import OpenAIPolicy
 

@@ -187,7 +187,7 @@ def greedy_eval(model: str, episodes: int, draft_tokens: int, env_kwargs: dict[s
     from cgym.agents.local.hf import HFPolicy
     from cgym.trainer.grpo import EVAL_SEED
 
-    policy = HFPolicy.from_pretrained(model, draft_tokens=draft_tokens, sampling=SamplingOptions(temperature=0.0))
+    policy = HFPolicy.from_pretrained(model, draft_tokens=draft_tokens, sampling=SamplingOptions(temperature=0.0), inference_only=True)  # as `cgym eval` loads it
     with counting_flops(type(policy.model)) as count:
         start = time.perf_counter()
         summary, _ = evaluate(policy, EvalConfig(ENV_ID, {**env_kwargs, "split": "test"}, episodes=episodes, seed=EVAL_SEED))  # cgym eval's batch size

@@ -121,7 +121,7 @@ def run(out: Path, plan: QuickstartPlan = QuickstartPlan(), *, console: Console 
 
     console.rule("4/4 compare prompt-only, SFT and SFT + GRPO on the same test episodes (greedy)")
     eval_config = EvalConfig(ENV_ID, {**env_kwargs, "split": "test"}, episodes=plan.eval_episodes, seed=10_000, batch_size=100)
-    greedy = {"sampling": SamplingOptions(temperature=0.0, max_new_tokens=plan.max_new_tokens, seed=0)}
+    greedy = {"sampling": SamplingOptions(temperature=0.0, max_new_tokens=plan.max_new_tokens, seed=0), "inference_only": True}
     arms = [  # loaded one at a time, when its turn comes
         ("prompt-only (the instruct model as shipped)", lambda: HFPolicy.from_pretrained(base, **greedy)),
         ("SFT", lambda: HFPolicy.from_pretrained(out / "sft", **greedy)),

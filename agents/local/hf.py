@@ -19,6 +19,7 @@ from cgym.agents.ledger import ChatEncoder
 from cgym.agents.local.allocator import keep_freed_memory
 from cgym.agents.local.batching import kv_budgets, kv_bytes_per_token, length_chunks
 from cgym.agents.local.kv_cache import PrefixCache
+from cgym.agents.local.packed import pack_linears
 from cgym.agents.local.precision import SamplingWeights, compute_dtype
 from cgym.agents.local.sampling import LOOKUP_TOKENS, Sample, sample_batch
 from cgym.agents.local.turn_cache import TurnCache
@@ -93,6 +94,7 @@ class HFPolicy:
         *,
         device: str | torch.device = "cpu",
         dtype: torch.dtype | None = None,
+        inference_only: bool = False,
         **kw: Any,
     ) -> HFPolicy:
         """Load model and tokenizer by short name (`smollm2-135m`, `tiny`; fetched on first use),
@@ -101,12 +103,19 @@ class HFPolicy:
         `dtype` defaults to the compute dtype (`agents.local.precision`: bf16 on GPUs and on CPUs with
         native bf16), the dtype sampling runs in, so a policy that only samples holds one copy
         of the weights. A trainer passes float32 for its master weights and samples from a
-        bf16 copy."""
+        bf16 copy.
+
+        `inference_only` says the policy will only ever sample (an eval, a comparison, a critic):
+        its model's linear layers are then packed in place for oneDNN where the CPU takes it
+        (`agents.local.packed`: decode steps read each weight once), and the plain weights are
+        gone, so that model cannot be trained or saved."""
         if dtype is None:
             dtype = compute_dtype(device)
         if torch.device(device).type == "cpu":
             keep_freed_memory()
         model, tokenizer = load_pretrained(name_or_path, dtype=dtype)
+        if inference_only and dtype == compute_dtype(device):
+            pack_linears(model.requires_grad_(False))
         return cls(model, tokenizer, device=device, name=f"hf:{name_or_path}", **kw)
 
     def reseed(self, seed: int) -> None:

@@ -129,3 +129,25 @@ def test_a_lora_models_folded_copy_is_packed_and_its_base_left_alone(tiny_chat_m
     ids = torch.tensor([[1, 5, 9, 13, 17, 21]])
     with torch.no_grad():
         _same(folded(input_ids=ids).logits, plain(input_ids=ids).logits)
+
+
+@requires_packing
+@pytest.mark.skipif(not cpu_has_bf16(), reason="this CPU has no native bf16")
+def test_an_inference_only_policy_samples_from_its_own_packed_model(tiny_chat_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`cgym eval`'s policies (`load_policy`) pack the model they load, in place; a policy loaded
+    to be trained keeps its plain weights; both sample the same turns."""
+    from cgym.agents.base import Conversation
+    from cgym.agents.local.hf import HFPolicy
+    from cgym.agents.spec import load_policy
+
+    monkeypatch.setenv(DTYPE_ENV, "bfloat16")
+    greedy = SamplingOptions(temperature=0.0, max_new_tokens=16, seed=0)
+    trainable = HFPolicy.from_pretrained(tiny_chat_model, sampling=greedy)
+    evaluated = load_policy(f"hf:{tiny_chat_model}", greedy)
+    assert isinstance(evaluated, HFPolicy) and is_packed(evaluated.model) and evaluated.sampling_weights.get() is evaluated.model
+    assert not is_packed(trainable.model) and any(p.requires_grad for p in trainable.model.parameters())
+    turns = []
+    for policy in (trainable, evaluated):
+        conv = Conversation([{"role": "system", "content": "You write JSON reports."}, {"role": "user", "content": "Report customer 7."}])
+        turns.append(policy.act([conv])[0])
+    assert turns[0].token_ids == turns[1].token_ids
