@@ -83,13 +83,11 @@ class SamplingWeights:
         if adapters:  # LoRA: fold the adapters into a fresh plain copy at each new version
             if self._copy is None or version != self._version:
                 self._copy = pack_linears(merged(self.model).to(dtype).eval().requires_grad_(False))
-                setattr(self._copy, FOLDED_FROM, version)  # what the caches compare (`weights_version`)
         elif self._copy is None:
             self._copy = pack_linears(copy.deepcopy(self.model).to(dtype).eval().requires_grad_(False))
-            setattr(self._copy, FOLDED_FROM, version)
         elif version != self._version:
             copy_weights(self._copy, self.model)
-            setattr(self._copy, FOLDED_FROM, version)
+        setattr(self._copy, FOLDED_FROM, version)  # what the caches compare (`weights_version`)
         self._version = version
         return self._copy
 
