@@ -5,6 +5,7 @@ inputs, within fp32 rounding; the flash path's results within its bf16 rounding;
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -149,3 +150,55 @@ def test_the_kernel_is_built_once_into_the_cache(tmp_path: Path, monkeypatch: py
         assert available() and list((tmp_path / "kernels").glob("*")) == built
     finally:
         decode_attention._library.cache_clear()
+
+
+@requires_kernel
+def test_a_bf16_policy_samples_through_the_kernel_as_exactly_as_through_flash(tiny_chat_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model with 64-wide heads (the fixture's are 16 wide and never reach the kernel), random
+    weights sharp enough that attention decides the next id, sampled in bf16 behind the shared
+    system prompt: its decode steps go through the kernel, and the sampled ids' log-probs match an
+    fp32 pass over the same ids as closely as the flash path's do. (A kernel with its scale off
+    by 3x measured 5.6 nats off on average here; either path, ~0.07.)"""
+    from cgym.agents.base import Conversation
+    from cgym.agents.local import kv_cache
+    from cgym.agents.local.hf import HFPolicy
+    from cgym.agents.local.precision import DTYPE_ENV
+    from cgym.agents.local.sampling import sequence_logprobs
+    from cgym.agents.options import SamplingOptions
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    monkeypatch.setenv(DTYPE_ENV, "bfloat16")
+    config = AutoConfig.from_pretrained(tiny_chat_model)
+    config.update({"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64, "intermediate_size": 256, "initializer_range": 0.3})
+    tokenizer = AutoTokenizer.from_pretrained(tiny_chat_model)
+    calls: list[bool] = []
+    kernel = kv_cache.own_attention
+
+    def counted(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+        out = kernel(*args, **kwargs)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(kv_cache, "own_attention", counted)
+    for switch in ("1", "0"):
+        monkeypatch.setenv(KERNEL_ENV, switch)
+        calls.clear()
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16).eval()
+        policy = HFPolicy(model, tokenizer, sampling=SamplingOptions(temperature=1.0, max_new_tokens=24, seed=0))
+        convs = [
+            Conversation([{"role": "system", "content": "You write JSON reports for the customers."}, {"role": "user", "content": f"Report customer {i}."}])
+            for i in (3, 40, 7)
+        ]
+        policy.act(convs)
+        assert any(calls) == (switch == "1")  # on: decode steps reached the kernel; off: none did
+        fp32 = model.float()
+        gaps = []
+        for conv in convs:
+            ids = torch.tensor([conv.token_ids])
+            sampled = torch.tensor(conv.loss_mask[1:], dtype=torch.bool)
+            with torch.no_grad():
+                exact = sequence_logprobs(fp32, ids, torch.ones_like(ids))[0]
+            gaps.append((exact - torch.tensor(conv.logprobs[1:]))[sampled].abs())
+        gap = torch.cat(gaps)
+        assert gap.numel() >= 30 and float(gap.mean()) < 0.15 and float(gap.max()) < 1.0, (switch, float(gap.mean()), float(gap.max()))
