@@ -51,6 +51,7 @@ def target_logprobs(logits: Tensor, targets: Tensor, temperature: float = 1.0) -
 
     The rows come from `unbind`, whose backward stacks the rows' gradients into one new tensor;
     indexing `logits[b]` would give each row's gradient as a zero-filled (B, K, V) tensor, summed
-    across rows (a 3-row chunk of 306 kept columns: 105 ms against 140-350 ms, bit-identical)."""
+    across rows (a 3-row chunk of 306 kept columns, forward and backward: 105-166 ms against 138-348 ms,
+    bit-identical)."""
     rows = zip(logits.unbind(0), targets.unbind(0))
     return torch.stack([_RowLogprobs.apply(row, target, temperature) for row, target in rows])
