@@ -34,7 +34,7 @@ from cgym.agents.eval.episodes import run_episodes
 from cgym.agents.eval.evaluate import EvalConfig, evaluate
 from cgym.agents.local.hf import HFPolicy
 from cgym.agents.local.lora import merged, with_lora
-from cgym.agents.local.precision import autocast
+from cgym.agents.local.precision import autocast, frozen_weights_cast
 from cgym.agents.local.sampling import sequence_logprobs
 from cgym.agents.options import SamplingOptions
 from cgym.agents.pretrained import resolve_model
@@ -459,45 +459,46 @@ def _update(state: TrainState, trajs: list[Trajectory], advantages: torch.Tensor
     learning = rows_with_signal(batch, with_kl=cfg.beta > 0) if batch is not None else []
     moving = slice_batch(batch, learning) if batch is not None and learning else None
     chunks = group_micro_batches([trajs[row].ids for row in learning], [trajs[row].group for row in learning], cfg.micro_batch_size)  # a group's rows together where that runs fewer columns; sized by length, like SFT's
-    for iteration in range(cfg.num_iterations):
-        head = batch_head(state.model, moving.ids, moving.attention, moving.mask) if moving is not None else None  # run once per optimizer step
-        for chunk, rows in enumerate(chunks):
-            assert moving is not None
-            mb = slice_batch(moving, rows)
-            with autocast(state.model), recomputed_past_budget(state.model, mb.ids.numel()):  # logits only at sampled positions; log-softmax in fp32
-                logp = sequence_logprobs(state.model, mb.ids, mb.attention, cfg.sampling.temperature, mask=mb.mask, head=head)
-                ref = None
-                if state.reference is not None:
-                    with torch.no_grad():
-                        ref = sequence_logprobs(state.reference, mb.ids, mb.attention, cfg.sampling.temperature, mask=mb.mask)
-            old = mb.old_logp
-            if own_old:
-                if iteration == 0:
-                    fixed_old[chunk] = logp.detach()
-                    sampled = mb.mask.bool() & ~mb.shaped[:, None]  # a refinement was sampled under another prompt
-                    if sampled.any() and (state.served is None or state.served.returns_logprobs):
-                        totals["sampler/logp_diff_max"] = max(totals["sampler/logp_diff_max"], float((logp.detach() - mb.old_logp)[sampled].abs().max()))
-                old = fixed_old[chunk]
-            loss, stats = policy_loss(
-                logp, old, mb.advantages, mb.mask,
-                loss_type=cfg.loss_type, epsilon_low=cfg.epsilon_low, epsilon_high=cfg.epsilon_high,
-                max_completion_length=state.max_completion_length, ref_logp=ref, beta=cfg.beta,
-                shaped=mb.shaped if cfg.shaping else None, gamma=cfg.gamma, normalizer=normalizer,
-            )  # fmt: skip
-            check_finite("loss", loss.detach(), step=step)
-            loss.backward()
-            totals["loss"] += loss.item()
-            for key in ("clip_frac_low", "clip_frac_high", "kl"):
-                totals[key] += float(stats[key])
-            n_micro += 1
-        if head is not None:
-            head.backward()
-        world.sum_gradients(params)
-        grad_norm = torch.nn.utils.clip_grad_norm_(state.model.parameters(), cfg.max_grad_norm)
-        check_finite("gradient norm", grad_norm, step=step)
-        state.optimizer.step()
-        state.scheduler.step()
-        state.optimizer.zero_grad(set_to_none=True)
+    with frozen_weights_cast(state.model):  # frozen LoRA base weights cast once per update, not per call
+        for iteration in range(cfg.num_iterations):
+            head = batch_head(state.model, moving.ids, moving.attention, moving.mask) if moving is not None else None  # run once per optimizer step
+            for chunk, rows in enumerate(chunks):
+                assert moving is not None
+                mb = slice_batch(moving, rows)
+                with autocast(state.model), recomputed_past_budget(state.model, mb.ids.numel()):  # logits only at sampled positions; log-softmax in fp32
+                    logp = sequence_logprobs(state.model, mb.ids, mb.attention, cfg.sampling.temperature, mask=mb.mask, head=head)
+                    ref = None
+                    if state.reference is not None:
+                        with torch.no_grad():
+                            ref = sequence_logprobs(state.reference, mb.ids, mb.attention, cfg.sampling.temperature, mask=mb.mask)
+                old = mb.old_logp
+                if own_old:
+                    if iteration == 0:
+                        fixed_old[chunk] = logp.detach()
+                        sampled = mb.mask.bool() & ~mb.shaped[:, None]  # a refinement was sampled under another prompt
+                        if sampled.any() and (state.served is None or state.served.returns_logprobs):
+                            totals["sampler/logp_diff_max"] = max(totals["sampler/logp_diff_max"], float((logp.detach() - mb.old_logp)[sampled].abs().max()))
+                    old = fixed_old[chunk]
+                loss, stats = policy_loss(
+                    logp, old, mb.advantages, mb.mask,
+                    loss_type=cfg.loss_type, epsilon_low=cfg.epsilon_low, epsilon_high=cfg.epsilon_high,
+                    max_completion_length=state.max_completion_length, ref_logp=ref, beta=cfg.beta,
+                    shaped=mb.shaped if cfg.shaping else None, gamma=cfg.gamma, normalizer=normalizer,
+                )  # fmt: skip
+                check_finite("loss", loss.detach(), step=step)
+                loss.backward()
+                totals["loss"] += loss.item()
+                for key in ("clip_frac_low", "clip_frac_high", "kl"):
+                    totals[key] += float(stats[key])
+                n_micro += 1
+            if head is not None:
+                head.backward()
+            world.sum_gradients(params)
+            grad_norm = torch.nn.utils.clip_grad_norm_(state.model.parameters(), cfg.max_grad_norm)
+            check_finite("gradient norm", grad_norm, step=step)
+            state.optimizer.step()
+            state.scheduler.step()
+            state.optimizer.zero_grad(set_to_none=True)
     return {**_update_metrics(world, batch, totals, n_micro, cfg.num_iterations, float(grad_norm)), "trained_rows": int(world.sum([len(learning)])[0])}
 
 

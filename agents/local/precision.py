@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import copy
 import os
-from contextlib import AbstractContextManager, nullcontext
-from functools import cache
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from functools import cache, partial
 
 import torch
 from cgym.agents.local.kv_cache import FOLDED_FROM, weights_version
@@ -49,6 +50,55 @@ def autocast(model: torch.nn.Module) -> AbstractContextManager[object]:
     if dtype == torch.float32 or next(model.parameters()).dtype != torch.float32:
         return nullcontext()
     return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+@contextmanager
+def frozen_weights_cast(model: torch.nn.Module) -> Iterator[int]:
+    """Within the block, the frozen linear layers of fp32 `model` (a LoRA model's base layers and
+    its tied LM head) read one copy of their weights in the compute dtype, made at entry, under
+    `autocast`; yields how many layers that covers (0 where nothing changes: fp32 compute, a
+    model that is not fp32, or one with no frozen linear layers).
+
+    Autocast keeps its casts only of weights that take gradients, so a frozen weight was cast
+    again at every call: in every micro-batch's forward, in each recomputed layer, and once more
+    held for every backward pass. LoRA's adapter layers also cast their bf16 input up to their
+    weights' fp32 before autocast cast it back down; here they take it as it comes. Both are
+    exact: the products and their gradients are bit for bit those of plain autocast
+    (`tests/agents/local/test_precision.py`). Outside autocast, or in another dtype, a layer
+    reads its own weights as before. Hold it over a whole update, not across a weight change of
+    the frozen layers (nothing in training changes them).
+    """
+    param = next(model.parameters(), None)
+    dtype = compute_dtype(param.device) if param is not None else torch.float32
+    if param is None or dtype == torch.float32 or param.dtype != torch.float32:
+        yield 0
+        return
+    frozen = [m for m in model.modules() if type(m) is torch.nn.Linear and not any(p.requires_grad for p in m.parameters())]
+    adapters = [m for m in model.modules() if callable(getattr(m, "_cast_input_dtype", None))]
+    flags = [m.__dict__.get("cast_input_dtype_enabled") for m in adapters]
+    for layer in frozen:
+        bias = None if layer.bias is None else layer.bias.detach().to(dtype)
+        layer.forward = partial(_linear_in, layer, layer.weight.detach().to(dtype), bias)  # the instance's, over the class's
+    for adapter in adapters:
+        adapter.cast_input_dtype_enabled = False
+    try:
+        yield len(frozen)
+    finally:
+        for layer in frozen:
+            del layer.forward
+        for adapter, flag in zip(adapters, flags, strict=True):
+            if flag is None:
+                del adapter.cast_input_dtype_enabled
+            else:
+                adapter.cast_input_dtype_enabled = flag
+
+
+def _linear_in(layer: torch.nn.Linear, weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    """`layer`'s forward on its `weight` copy where autocast runs in that copy's dtype."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == weight.dtype:
+        return torch.nn.functional.linear(x, weight, bias)
+    return torch.nn.functional.linear(x, layer.weight, layer.bias)
 
 
 class SamplingWeights:

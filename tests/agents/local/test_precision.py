@@ -95,3 +95,62 @@ def test_a_lora_models_sampling_copy_is_plain_with_the_adapters_folded_in(tiny_c
         weights.drop_folded()  # freed between rollout and update; folded anew on the next call
         assert weights.get() is not copy
     assert versions[0] != versions[1]  # however the copies were allocated
+
+
+def _lora_loss_and_grads(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    with autocast(model):
+        logp = sequence_logprobs(model, ids, torch.ones_like(ids))
+    loss = -logp.sum()
+    loss.backward()
+    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.requires_grad}
+
+
+def test_frozen_weights_cast_once_give_the_same_loss_and_gradients(tiny_chat_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A LoRA model's frozen layers read one bf16 copy of their weights under autocast: the loss
+    and the adapters' gradients are bit for bit autocast's own, and the layers read the copy
+    made at entry (a change of the fp32 weight inside the block does not reach them)."""
+    pytest.importorskip("peft")
+    from cgym.agents.local.lora import with_lora
+    from cgym.agents.local.precision import frozen_weights_cast
+
+    monkeypatch.setenv(DTYPE_ENV, "bfloat16")
+    model = with_lora(AutoModelForCausalLM.from_pretrained(tiny_chat_model, dtype=torch.float32), 4)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.05)  # adapters that act, so their input casts matter
+    ids = torch.tensor([[1, 5, 9, 13, 17, 21, 25, 29]])
+    plain = _lora_loss_and_grads(model, ids)
+    flags = [vars(m).get("cast_input_dtype_enabled", "unset") for m in model.modules()]
+    with frozen_weights_cast(model) as layers:
+        assert layers == 2 * 7 + 1  # two decoder layers' seven projections, and the tied LM head
+        cast = _lora_loss_and_grads(model, ids)
+        base = next(m.base_layer for m in model.modules() if hasattr(m, "base_layer"))
+        kept = base.weight.detach().clone()
+        with torch.no_grad():
+            base.weight.mul_(2.0)
+        assert torch.equal(_lora_loss_and_grads(model, ids)[0], cast[0])
+        with torch.no_grad():
+            base.weight.copy_(kept)
+    assert torch.equal(plain[0], cast[0])
+    assert plain[1].keys() == cast[1].keys() and all(torch.equal(plain[1][k], cast[1][k]) for k in plain[1])
+    # afterwards every layer reads its own weights again, and the adapters cast their input as before
+    assert not any("forward" in vars(m) for m in model.modules())
+    assert [vars(m).get("cast_input_dtype_enabled", "unset") for m in model.modules()] == flags
+    with torch.no_grad():
+        base.weight.mul_(2.0)
+    assert not torch.equal(_lora_loss_and_grads(model, ids)[0], plain[0])
+
+
+def test_frozen_weights_cast_changes_nothing_in_fp32_or_full_fine_tuning(tiny_chat_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from cgym.agents.local.precision import frozen_weights_cast
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_chat_model, dtype=torch.float32)
+    monkeypatch.setenv(DTYPE_ENV, "bfloat16")
+    with frozen_weights_cast(model) as layers:  # every weight trains
+        assert layers == 0
+    monkeypatch.setenv(DTYPE_ENV, "float32")
+    model.requires_grad_(False)
+    with frozen_weights_cast(model) as layers:  # fp32 compute: no autocast to serve
+        assert layers == 0 and not any("forward" in vars(m) for m in model.modules())
