@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from cgym.agents.local.decode_attention import own_attention
+from cgym.agents.local.decode_attention import FEW_QUERIES, block_attention, own_attention
+from cgym.agents.local.decode_attention import available as kernel_available
 from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
@@ -290,9 +291,10 @@ def prefix_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value:
     (B, q, H, D) like transformers' attention functions.
 
     On CPU the prefix is read from its single copy: every row's queries go through one batch-1
-    flash attention against it (no mask: every query sees the whole prefix), the rows' own keys
+    attention against it (no mask: every query sees the whole prefix), the rows' own keys
     through a second, and the two merge by their log-sum-exps, exactly. The prefix part reads
-    the prefix's fp32 copy, made once per `shared_prefix` block; the own part runs in the
+    the bf16 prefix where the C kernels run, else its fp32 copy for the flash kernel, made once
+    per `shared_prefix` block; the own part runs in the
     cache's dtype, which saves casting every row's cached keys and values at every decode step
     (a 100-row decode step's own-key attention: 2.4 ms a layer in bf16, 3.8 ms with the casts).
     Elsewhere each row gets a copy of the prefix for SDPA.
@@ -311,7 +313,8 @@ def prefix_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value:
         full_v = torch.cat([prefix_v.expand(batch, -1, -1, -1), value], 2)
         return _sdpa(module, query, full_k, full_v, attention_mask, **kwargs)
     scale = kwargs.get("scaling") or query.shape[-1] ** -0.5
-    prefix_k, prefix_v = prefix[2][layer], prefix[3][layer]
+    low = kernel_available() and prefix[0][layer].dtype == torch.bfloat16  # the kernel reads the bf16 prefix
+    prefix_k, prefix_v = (prefix[0][layer], prefix[1][layer]) if low else (prefix[2][layer], prefix[3][layer])
     visible = _own_mask(attention_mask, query.shape[0], query.shape[2], key.shape[2], prefix_k.shape[2], query.device)
     out = split_attention(query, key, value, prefix_k, prefix_v, visible, scale)
     return out.to(query.dtype), None
@@ -335,7 +338,9 @@ def split_attention(query: Tensor, key: Tensor, value: Tensor, prefix_k: Tensor,
     """Softmax attention of (B, H, q, D) queries over a (1, H_kv, P, D) prefix that every query
     sees and (B, H_kv, S, D) own keys where `visible` ((B, q, S) bool) allows; (B, q, H, D) out
     in fp32. The prefix part runs in the prefix's dtype, the own part in the keys' dtype (each
-    kernel accumulates in fp32), and the merge in fp32.
+    kernel accumulates in fp32), and the merge in fp32. In bf16 both parts go to the C kernels
+    of `decode_attention` where they run: a decode step's few queries to `own_attention`, more
+    (a prefill, drafts, every row's queries over the prefix) to `block_attention`.
 
     Query head h reads kv head h // (H / H_kv) (grouped-query attention), so each kv head's
     queries are laid out along the query axis instead of copying keys and values per head.
@@ -348,11 +353,13 @@ def split_attention(query: Tensor, key: Tensor, value: Tensor, prefix_k: Tensor,
     groups = heads // kv_heads
     by_kv = query.reshape(batch, kv_heads, groups * q_len, dim)  # (B, H_kv, g*q, D)
     folded = by_kv.transpose(0, 1).reshape(1, kv_heads, batch * groups * q_len, dim)  # (1, H_kv, B*g*q, D)
-    out_p, lse_p = _FLASH_CPU(folded.to(prefix_k.dtype), prefix_k, prefix_v, scale=scale)
+    kernel = block_attention(folded.to(prefix_k.dtype), prefix_k, prefix_v, None, scale) if prefix_k.dtype == torch.bfloat16 else None
+    out_p, lse_p = kernel if kernel is not None else _FLASH_CPU(folded.to(prefix_k.dtype), prefix_k, prefix_v, scale=scale)
     out_p = out_p.float().reshape(kv_heads, batch, groups, q_len, dim).transpose(0, 1)  # (B, H_kv, g, q, D)
     lse_p = lse_p.reshape(kv_heads, batch, groups, q_len).transpose(0, 1)
     blind = ~visible.any(-1)  # (B, q)
-    own = own_attention(by_kv.to(key.dtype), key, value, visible, scale)  # a decode step's few queries, where the kernel runs
+    kernel = own_attention if groups * q_len <= FEW_QUERIES else block_attention  # a decode step's few queries, or more
+    own = kernel(by_kv.to(key.dtype), key, value, visible, scale)
     if own is not None:
         out_o, lse_o = own
     else:

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 from cgym.agents.local import decode_attention
-from cgym.agents.local.decode_attention import KERNEL_ENV, available, own_attention
+from cgym.agents.local.decode_attention import KERNEL_ENV, available, block_attention, own_attention
 from cgym.agents.local.kv_cache import split_attention
 
 requires_kernel = pytest.mark.skipif(not available(), reason="no C compiler or no AVX512-BF16 here: the flash kernel runs")
@@ -180,9 +180,19 @@ def test_a_bf16_policy_samples_through_the_kernel_as_exactly_as_through_flash(ti
         return out
 
     monkeypatch.setattr(kv_cache, "own_attention", counted)
+    blocks: list[bool] = []
+    block_kernel = kv_cache.block_attention
+
+    def counted_blocks(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+        out = block_kernel(*args, **kwargs)
+        blocks.append(out is not None)
+        return out
+
+    monkeypatch.setattr(kv_cache, "block_attention", counted_blocks)
     for switch in ("1", "0"):
         monkeypatch.setenv(KERNEL_ENV, switch)
         calls.clear()
+        blocks.clear()
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16).eval()
         policy = HFPolicy(model, tokenizer, sampling=SamplingOptions(temperature=1.0, max_new_tokens=24, seed=0))
@@ -192,6 +202,7 @@ def test_a_bf16_policy_samples_through_the_kernel_as_exactly_as_through_flash(ti
         ]
         policy.act(convs)
         assert any(calls) == (switch == "1")  # on: decode steps reached the kernel; off: none did
+        assert any(blocks) == (switch == "1")  # and the prefills and the shared prompt's part the block kernel
         fp32 = model.float()
         gaps = []
         for conv in convs:
@@ -202,3 +213,88 @@ def test_a_bf16_policy_samples_through_the_kernel_as_exactly_as_through_flash(ti
             gaps.append((exact - torch.tensor(conv.logprobs[1:]))[sampled].abs())
         gap = torch.cat(gaps)
         assert gap.numel() >= 30 and float(gap.mean()) < 0.15 and float(gap.max()) < 1.0, (switch, float(gap.mean()), float(gap.max()))
+
+
+
+@requires_kernel
+@pytest.mark.parametrize(
+    ("batch", "queries", "q_len", "keys"),
+    [(1, 1, 1, 1), (1, 300, 100, 269), (3, 27, 9, 50), (2, 45, 15, 33), (4, 8, 8, 16), (100, 15, 5, 17)],
+)
+def test_the_block_kernel_is_fp64_attention_within_fp32_rounding(batch: int, queries: int, q_len: int, keys: int) -> None:
+    """Any number of queries (short last blocks of 8), keys not a multiple of 16, blind queries."""
+    q, k, v, visible = _inputs(batch, queries, q_len, keys)
+    visible[0, 0] = False  # a query that sees nothing (a pad): lse -inf, output 0
+    got = block_attention(q, k, v, visible, 0.125)
+    assert got is not None
+    out, lse = got
+    ref_out, ref_lse = _reference(q, k, v, visible, 0.125)
+    seen = ~torch.isinf(ref_lse)
+    assert (~seen).any() and torch.isinf(lse[~seen]).all() and (lse[~seen] < 0).all() and (out[~seen] == 0).all()
+    torch.testing.assert_close(out.double()[seen], ref_out[seen], atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(lse.double()[seen], ref_lse[seen], atol=2e-5, rtol=1e-5)
+
+
+@requires_kernel
+def test_the_block_kernel_reads_one_shared_prefix_for_every_row() -> None:
+    """Keys and values of batch 1 (a shared prefix) serve every row, with no visibility given:
+    the same results as a copy per row that every query sees, and as strided copies."""
+    q, k, v, _ = _inputs(4, 21, 7, 40)
+    shared = block_attention(q, k[:1], v[:1], None, 0.2)
+    copies = block_attention(q, k[:1].repeat(4, 1, 1, 1), v[:1].repeat(4, 1, 1, 1), torch.ones(4, 7, 40, dtype=torch.bool), 0.2)
+    room_k = torch.zeros(4, 3, 64, 64, dtype=torch.bfloat16)
+    room_v = torch.zeros(4, 3, 64, 64, dtype=torch.bfloat16)
+    room_k[:, :, :40], room_v[:, :, :40] = k[:1], v[:1]
+    strided = block_attention(q, room_k[:, :, :40], room_v[:, :, :40], None, 0.2)
+    assert shared is not None and copies is not None and strided is not None
+    for other in (copies, strided):
+        assert torch.equal(shared[0], other[0]) and torch.equal(shared[1], other[1])
+    ref_out, _ = _reference(q, k[:1].expand(4, -1, -1, -1), v[:1].expand(4, -1, -1, -1), torch.ones(4, 7, 40, dtype=torch.bool), 0.2)
+    torch.testing.assert_close(shared[0].double(), ref_out, atol=2e-5, rtol=1e-4)
+
+
+@requires_kernel
+@pytest.mark.parametrize(("batch", "q_len", "prefix", "own"), [(4, 40, 269, 60), (3, 5, 50, 31), (100, 1, 269, 220)])
+def test_split_attention_with_a_bf16_prefix_is_closer_to_fp64_than_flash(batch: int, q_len: int, prefix: int, own: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sampler's prefill and decode steps behind a bf16 shared prompt: the block kernel for
+    the prompt's part (and a prefill's own part), against the flash path on the prompt's fp32
+    copy; within bf16 rounding of each other, and the kernels' the closer to fp64."""
+    torch.manual_seed(2)
+    query = torch.randn(batch, 9, q_len, 64).to(torch.bfloat16)
+    key = torch.randn(batch, 3, own, 64).to(torch.bfloat16)
+    value = torch.randn(batch, 3, own, 64).to(torch.bfloat16)
+    prefix_k = (torch.randn(1, 3, prefix, 64) * 2).to(torch.bfloat16)
+    prefix_v = torch.randn(1, 3, prefix, 64).to(torch.bfloat16)
+    causal = torch.arange(own)[None] <= torch.arange(q_len)[:, None] + (own - q_len)
+    visible = causal[None].repeat(batch, 1, 1)
+    visible[0, :, : own // 2] = False  # left padding
+    with_kernel = split_attention(query, key, value, prefix_k, prefix_v, visible, 0.125)
+    monkeypatch.setenv(KERNEL_ENV, "0")
+    flash = split_attention(query, key, value, prefix_k.float(), prefix_v.float(), visible, 0.125)
+    torch.testing.assert_close(with_kernel, flash, atol=2e-2, rtol=2e-2)
+    keys = torch.cat([prefix_k.double().expand(batch, -1, -1, -1), key.double()], 2).repeat_interleave(3, 1)
+    values = torch.cat([prefix_v.double().expand(batch, -1, -1, -1), value.double()], 2).repeat_interleave(3, 1)
+    sees = torch.cat([torch.ones(batch, q_len, prefix, dtype=torch.bool), visible], 2)[:, None]
+    scores = (query.double() @ keys.transpose(-1, -2) * 0.125).masked_fill(~sees, float("-inf"))
+    ref = (torch.softmax(scores, -1) @ values).transpose(1, 2)
+    assert (with_kernel.double() - ref).abs().max() <= (flash.double() - ref).abs().max() + 1e-6
+
+
+@pytest.mark.parametrize("case", ["float32", "head_dim", "gradients", "switched_off", "no_keys", "key_rows", "no_queries"])
+def test_no_block_kernel_where_it_does_not_apply(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    q, k, v, visible = _inputs(2, 24, 8, 8)
+    if case == "float32":
+        q, k, v = q.float(), k.float(), v.float()
+    elif case == "head_dim":
+        q, k, v = q[..., :32].contiguous(), k[..., :32].contiguous(), v[..., :32].contiguous()
+    elif case == "gradients":
+        q.requires_grad_(True)
+    elif case == "switched_off":
+        monkeypatch.setenv(KERNEL_ENV, "0")
+    elif case == "no_keys":
+        k, v, visible = k[:, :, :0], v[:, :, :0], visible[:, :, :0]
+    elif case == "key_rows":  # neither one shared copy nor one per row
+        k, v = torch.cat([k, k[:1]]), torch.cat([v, v[:1]])
+    elif case == "no_queries":
+        q = q[:, :, :0]
+    assert block_attention(q, k, v, visible, 0.125) is None
