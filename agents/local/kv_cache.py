@@ -298,7 +298,8 @@ def prefix_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value:
     cache's dtype, which saves casting every row's cached keys and values at every decode step
     (a 100-row decode step's own-key attention: 2.4 ms a layer in bf16, 3.8 ms with the casts).
     Elsewhere each row gets a copy of the prefix for SDPA.
-    With no prefix active (the training pass) it is SDPA, through `grouped_attention` on CPU.
+    With no prefix active (the training pass) it is SDPA, through `grouped_attention` on CPU
+    (in bf16, the C kernels' forward and the flash kernel's backward).
     """
     prefix = _PREFIX.get()
     if prefix is None:
@@ -328,10 +329,62 @@ def grouped_attention(query: Tensor, key: Tensor, value: Tensor, attention_mask:
     head, then its backward) whenever a mask is given on CPU. With `enable_gqa` the CPU flash
     kernel reads each kv head for its group: in the GRPO training pass's shapes (4 rows, 570
     queries over 1,310 keys, bf16) attention forward plus backward took 10-17% less time in
-    two microbenchmarks.
+    two microbenchmarks. In bf16 (a bf16 sampler's, or under bf16 autocast: the training pass)
+    it goes to `kernel_attention` where the C kernels run.
     """
+    low = query.dtype == torch.bfloat16 or (torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16)
+    if low and dropout == 0.0 and attention_mask.dim() == 4 and attention_mask.shape[1] == 1:
+        visible = attention_mask[:, 0] if attention_mask.dtype == torch.bool else attention_mask[:, 0] == 0
+        scale = scale if scale is not None else query.shape[-1] ** -0.5
+        out = kernel_attention(*(t.to(torch.bfloat16) for t in (query, key, value)), visible, scale)
+        if out is not None:
+            return out.transpose(1, 2).contiguous()
     out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scale, enable_gqa=True)
     return out.transpose(1, 2).contiguous()
+
+
+_FLASH_CPU_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+
+
+def kernel_attention(query: Tensor, key: Tensor, value: Tensor, visible: Tensor, scale: float) -> Tensor | None:
+    """Grouped-query attention of (B, H, q, D) bf16 queries over (B, H_kv, S, D) bf16 keys and
+    values where `visible` ((B, q, S) bool) allows, in `decode_attention`'s C kernels; (B, H, q,
+    D) fp32 out, and with gradients where the inputs want them: the CPU flash kernel's backward,
+    in fp32, from the kernels' outputs and log-sum-exps. None where no kernel runs here.
+
+    Under bf16 autocast the training pass gave SDPA fp32 queries and keys (rotated by fp32
+    cosines) and ran it in fp32; here they are rounded to bf16 first, as the sampler's cache
+    holds them, and the forward takes less than half the flash kernel's time (`benchmarks/RESULTS.md`).
+    """
+    batch, heads, q_len, dim = query.shape
+    by_kv = query.detach().reshape(batch, key.shape[1], heads // key.shape[1] * q_len, dim)
+    kernel = own_attention if by_kv.shape[2] <= FEW_QUERIES else block_attention
+    wanted = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    if wanted and _FLASH_CPU_BACKWARD is None:
+        return None
+    got = kernel(by_kv, key.detach(), value.detach(), visible, scale)
+    if got is None:
+        return None
+    out, lse = got[0].view(batch, heads, q_len, dim), got[1].view(batch, heads, q_len)
+    return _FlashBackward.apply(query, key, value, visible, out, lse, scale) if wanted else out
+
+
+class _FlashBackward(torch.autograd.Function):
+    """The attention output computed elsewhere, with the CPU flash kernel's backward."""
+
+    @staticmethod
+    def forward(ctx: Any, query: Tensor, key: Tensor, value: Tensor, visible: Tensor, out: Tensor, lse: Tensor, scale: float) -> Tensor:
+        ctx.save_for_backward(query, key, value, visible, out, lse)
+        ctx.scale = scale
+        return out.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        query, key, value, visible, out, lse = ctx.saved_tensors
+        bias = torch.zeros((visible.shape[0], 1, *visible.shape[1:]), dtype=torch.float32).masked_fill_(~visible[:, None], float("-inf"))
+        lse = lse.masked_fill(torch.isinf(lse), 0.0)  # a query that sees no key: every weight exp(-inf - 0) = 0
+        dq, dk, dv = _FLASH_CPU_BACKWARD(grad.float().contiguous(), query.float(), key.float(), value.float(), out, lse, 0.0, False, attn_mask=bias, scale=ctx.scale)
+        return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), None, None, None, None
 
 
 def split_attention(query: Tensor, key: Tensor, value: Tensor, prefix_k: Tensor, prefix_v: Tensor, visible: Tensor, scale: float) -> Tensor:

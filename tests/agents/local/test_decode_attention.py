@@ -298,3 +298,80 @@ def test_no_block_kernel_where_it_does_not_apply(case: str, monkeypatch: pytest.
     elif case == "no_queries":
         q = q[:, :, :0]
     assert block_attention(q, k, v, visible, 0.125) is None
+
+
+@requires_kernel
+@pytest.mark.parametrize(("batch", "q_len", "keys"), [(3, 40, 90), (2, 1, 33)])
+def test_kernel_attention_gradients_are_fp64_attentions_within_bf16_rounding(batch: int, q_len: int, keys: int) -> None:
+    """The training pass's attention: the kernels' forward, the flash kernel's backward from their
+    outputs and log-sum-exps. Queries that see no key (pads) get zero gradients, not NaNs."""
+    from cgym.agents.local.kv_cache import kernel_attention
+
+    torch.manual_seed(3)
+    q = torch.randn(batch, 9, q_len, 64).to(torch.bfloat16).requires_grad_()
+    k = (torch.randn(batch, 3, keys, 64) * 2).to(torch.bfloat16).requires_grad_()
+    v = torch.randn(batch, 3, keys, 64).to(torch.bfloat16).requires_grad_()
+    visible = (torch.arange(keys)[None] <= torch.arange(q_len)[:, None] + (keys - q_len))[None].repeat(batch, 1, 1)
+    visible[0, :, :5] = False  # left padding
+    visible[-1, -1] = False  # a pad query
+    grad = torch.randn(batch, 9, q_len, 64)
+    out = kernel_attention(q, k, v, visible, 0.125)
+    assert out is not None and out.dtype == torch.float32
+    out.backward(grad)
+    exact = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    scores = exact[0] @ exact[1].repeat_interleave(3, 1).transpose(-1, -2) * 0.125
+    ref = torch.softmax(scores.masked_fill(~visible[:, None], float("-inf")), -1).nan_to_num(0.0) @ exact[2].repeat_interleave(3, 1)
+    ref.backward(grad.double())
+    torch.testing.assert_close(out.detach().double(), ref.detach(), atol=2e-5, rtol=1e-4)
+    for got, want in zip((q.grad, k.grad, v.grad), (t.grad for t in exact), strict=True):
+        assert got is not None and want is not None and got.isfinite().all()
+        torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=1e-2)  # gradients come back in bf16
+    assert (q.grad[-1, :, -1] == 0).all()  # the pad query
+
+
+@requires_kernel
+def test_a_bf16_training_pass_reaches_the_kernels_and_matches_the_flash_path(tiny_chat_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A padded batch through a model with 64-wide heads under bf16 autocast, with gradients (the
+    GRPO loss pass's path): the attention goes through the block kernel, and the log-probs and
+    weight gradients match the flash path's within bf16 rounding."""
+    from cgym.agents.local import kv_cache
+    from cgym.agents.local.precision import DTYPE_ENV, autocast
+    from cgym.agents.local.sampling import sequence_logprobs
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    monkeypatch.setenv(DTYPE_ENV, "bfloat16")
+    config = AutoConfig.from_pretrained(tiny_chat_model)
+    config.update({"hidden_size": 192, "num_attention_heads": 3, "num_key_value_heads": 1, "head_dim": 64, "intermediate_size": 256})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    kv_cache.use_prefix_attention(model)
+    ids = torch.randint(3, 500, (3, 40))
+    attention = torch.ones_like(ids)
+    attention[1, 30:] = 0  # right padding, as `pack` lays rows out
+    attention[2, 25:] = 0
+    calls: list[bool] = []
+    block = kv_cache.block_attention
+
+    def counted(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+        out = block(*args, **kwargs)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(kv_cache, "block_attention", counted)
+    results = []
+    for switch in ("1", "0"):
+        monkeypatch.setenv(KERNEL_ENV, switch)
+        model.zero_grad(set_to_none=True)
+        calls.clear()
+        with autocast(model):
+            logp = sequence_logprobs(model, ids, attention)
+        (logp * attention[:, 1:]).sum().backward()
+        assert any(calls) == (switch == "1")
+        results.append((logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (kernel_lp, kernel_grads), (flash_lp, flash_grads) = results
+    kept = attention[:, 1:].bool()
+    torch.testing.assert_close(kernel_lp[kept], flash_lp[kept], atol=5e-2, rtol=0)
+    assert kernel_grads.keys() == flash_grads.keys()
+    for name, grad in kernel_grads.items():
+        scale = float(flash_grads[name].abs().max()) + 1e-6
+        assert float((grad - flash_grads[name]).abs().max()) <= 0.1 * scale, name
