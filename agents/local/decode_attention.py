@@ -18,29 +18,21 @@ horizontal sums, and reads the prompt's bf16 keys once for all rows. Against the
 fp32 copies (2 cores): 100 rows' 101-id prefill over a 269-id prompt 27 against 48 ms a layer,
 its own part (303 queries a row over 188 keys, causal) 20 against 50 ms.
 
-They are compiled on first use (about a second) with the system's C compiler, linked to the
-OpenMP runtime PyTorch loaded (one thread pool), and kept in the model cache's `kernels/` by the
-source's hash. Without a compiler, on a CPU without AVX512-BF16, or where the build fails, both
-answer None and the caller keeps the flash kernel. `CGYM_DECODE_KERNEL=0` turns them off.
+They are built on first use (`agents.local.kernels`). Without a compiler, on a CPU without
+AVX512-BF16, or where the build fails, both answer None and the caller keeps the flash kernel.
+`CGYM_DECODE_KERNEL=0` turns them off.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import shutil
-import subprocess
-import sys
-import tempfile
 from functools import cache
-from pathlib import Path
 
 import torch
-from cgym.agents.pretrained import ModelFetchError, cache_root
+from cgym.agents.local.kernels import C_HEADER, KERNEL_ENV, compiled, enabled
 from torch import Tensor
 
-KERNEL_ENV = "CGYM_DECODE_KERNEL"
+__all__ = ["FEW_QUERIES", "HEAD_DIM", "KERNEL_ENV", "MAX_QUERIES", "available", "block_attention", "enabled", "own_attention"]
 MAX_QUERIES = 16  # per row and kv head (query heads per kv head x new ids): decode steps and drafts
 # Up to this many queries per row and kv head `own_attention` is the faster kernel, above it
 # `block_attention` (2 cores, 8-100 rows over 220-300 keys: 3 queries 0.57 against 0.87 ms,
@@ -48,34 +40,9 @@ MAX_QUERIES = 16  # per row and kv head (query heads per kv head x new ids): dec
 FEW_QUERIES = 4
 HEAD_DIM = 64  # the kernel's head size (SmolLM2, Qwen2.5-0.5B, Llama-3.2-1B); others keep flash
 
-_SOURCE = r"""
-#include <immintrin.h>
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-
+_SOURCE = C_HEADER + r"""
 #define D 64
 #define MASKED (-1e30f)
-
-/* e^x for x <= 0 (x >= -87.3 or it is 0), 16 lanes: 2^n * p(r), x = n ln2 + r, |r| <= ln2 / 2 */
-static inline __m512 exp_neg(__m512 x) {
-    const __m512 lo = _mm512_set1_ps(-87.3f);
-    __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
-    x = _mm512_max_ps(x, lo);
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    __m512 out = _mm512_scalef_ps(p, n);
-    return _mm512_mask_blend_ps(under, out, _mm512_setzero_ps());
-}
 
 static inline __m512 bf16_lo(__m512i x) { /* bf16 pairs -> the low element of each as fp32 */
     return _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
@@ -295,45 +262,11 @@ void block_attention(const uint16_t *q, const uint16_t *k, const uint16_t *v, co
 """
 
 
-def enabled() -> bool:
-    """Whether the kernel may be used (`CGYM_DECODE_KERNEL=0` turns it off)."""
-    return os.environ.get(KERNEL_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
-
-
-def _cpu_has_avx512_bf16() -> bool:
-    try:
-        return "avx512_bf16" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-
-
 @cache
 def _library() -> ctypes.CDLL | None:
-    """The compiled kernel, built on first use and cached by the source's hash; None where it cannot be built."""
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if compiler is None or not sys.platform.startswith("linux") or not _cpu_has_avx512_bf16():
-        return None
-    omp = Path(torch.__file__).parent / "lib"
-    link = [f"-L{omp}", f"-Wl,-rpath,{omp}"] if any(omp.glob("libgomp*.so*")) else []
-    flags = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC"]
-    digest = hashlib.sha256("\0".join([_SOURCE, compiler, *flags, *link]).encode()).hexdigest()[:16]
-    try:
-        target = cache_root() / "kernels" / f"own_attention_{digest}.so"  # beside the models
-    except ModelFetchError:  # the cache names a file: no kernel, and the models say why
-        return None
-    if not target.exists():
-        try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-                source, built = Path(tmp) / "own_attention.c", Path(tmp) / target.name
-                source.write_text(_SOURCE)
-                subprocess.run([compiler, *flags, str(source), "-o", str(built), *link], check=True, capture_output=True, timeout=120)
-                os.replace(built, target)  # atomic: a concurrent build finds a whole file or none
-        except (OSError, subprocess.SubprocessError):
-            return None
-    try:
-        lib = ctypes.CDLL(str(target))
-    except OSError:
+    """The compiled kernels (`kernels.compiled`), their signatures set; None where they cannot be built."""
+    lib = compiled(_SOURCE, "own_attention")
+    if lib is None:
         return None
     lib.own_attention.restype = None
     lib.own_attention.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_long] * 17 + [ctypes.c_float, ctypes.c_int]

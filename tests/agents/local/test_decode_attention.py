@@ -9,11 +9,17 @@ from typing import Any
 
 import pytest
 import torch
-from cgym.agents.local import decode_attention
+from cgym.agents.local import decode_attention, kernels
 from cgym.agents.local.decode_attention import KERNEL_ENV, available, block_attention, own_attention
 from cgym.agents.local.kv_cache import split_attention
 
 requires_kernel = pytest.mark.skipif(not available(), reason="no C compiler or no AVX512-BF16 here: the flash kernel runs")
+
+
+def _forget_builds() -> None:
+    """Drop this process's loaded kernels, so the next call builds or finds them again."""
+    kernels.compiled.cache_clear()
+    decode_attention._library.cache_clear()
 
 
 def _inputs(batch: int, queries: int, q_len: int, keys: int, *, seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -112,15 +118,15 @@ def test_no_kernel_where_it_does_not_apply(case: str, monkeypatch: pytest.Monkey
 
 
 def test_no_compiler_means_no_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    decode_attention._library.cache_clear()
+    _forget_builds()
     monkeypatch.setenv("CC", "no-such-compiler-here")
-    monkeypatch.setattr(decode_attention.shutil, "which", lambda name: None)
+    monkeypatch.setattr(kernels.shutil, "which", lambda name: None)
     try:
         assert not available()
         q, k, v, visible = _inputs(2, 3, 1, 8)
         assert own_attention(q, k, v, visible, 0.125) is None
     finally:
-        decode_attention._library.cache_clear()
+        _forget_builds()
 
 
 def test_a_cache_that_is_a_file_means_no_kernel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -128,28 +134,28 @@ def test_a_cache_that_is_a_file_means_no_kernel(tmp_path: Path, monkeypatch: pyt
 
     not_a_folder = tmp_path / "cache"
     not_a_folder.write_text("")
-    decode_attention._library.cache_clear()
+    _forget_builds()
     monkeypatch.setenv(CACHE_ENV, str(not_a_folder))
     try:
         assert not available()
     finally:
-        decode_attention._library.cache_clear()
+        _forget_builds()
 
 
 @requires_kernel
 def test_the_kernel_is_built_once_into_the_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from cgym.agents.pretrained import CACHE_ENV
 
-    decode_attention._library.cache_clear()
+    _forget_builds()
     monkeypatch.setenv(CACHE_ENV, str(tmp_path))
     try:
         assert available()
         built = list((tmp_path / "kernels").glob("own_attention_*.so"))
         assert len(built) == 1
-        decode_attention._library.cache_clear()
+        _forget_builds()
         assert available() and list((tmp_path / "kernels").glob("*")) == built
     finally:
-        decode_attention._library.cache_clear()
+        _forget_builds()
 
 
 @requires_kernel

@@ -53,3 +53,31 @@ def test_the_backward_pass_keeps_the_logits_not_an_fp32_copy() -> None:
         target_logprobs(logits, torch.zeros(2, 5, dtype=torch.long))
     big = [t for t in saved if t.numel() >= 5 * 30]
     assert big and all(t.dtype == torch.bfloat16 for t in big), [(t.dtype, tuple(t.shape)) for t in saved]
+
+
+def test_the_c_kernel_takes_bf16_rows_and_matches_the_pytorch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 logits go through the C loop where it builds (a vocabulary that is not a multiple of
+    16, a temperature): the log-probs within fp32 rounding of PyTorch's, the gradients within one
+    bf16 step; with the kernels off, PyTorch's path."""
+    from cgym.agents.local import target_logprobs as module
+    from cgym.agents.local.kernels import KERNEL_ENV
+
+    torch.manual_seed(2)
+    base = (torch.randn(2, 33, 1007) * 4).to(torch.bfloat16)
+    targets = torch.randint(0, 1007, (2, 33))
+    weights = torch.randn(2, 33)
+    if module._kernel_for(base[0]) is None:
+        pytest.skip("no C compiler or no AVX512-BF16 here: the PyTorch path runs")
+    results = []
+    for switch in ("1", "0"):
+        monkeypatch.setenv(KERNEL_ENV, switch)
+        assert (module._kernel_for(base[0]) is not None) == (switch == "1")
+        logits = base.clone().requires_grad_()
+        out = target_logprobs(logits, targets, 0.7)
+        (out * weights).sum().backward()
+        results.append((out.detach(), logits.grad))
+    (kernel, kernel_grad), (plain, plain_grad) = results
+    torch.testing.assert_close(kernel, plain, rtol=0, atol=2e-5)
+    assert kernel_grad.dtype == torch.bfloat16
+    torch.testing.assert_close(kernel_grad.float(), plain_grad.float(), rtol=8e-3, atol=1e-6)
+    assert not module._kernel_for(base[0].float()) and not module._kernel_for(base[0][:, ::2])  # fp32, or strided rows

@@ -1,0 +1,98 @@
+"""This project's small C kernels: built on first use, kept by their source's hash, optional.
+
+A kernel's source is compiled (about a second) with the system's C compiler for AVX-512 with
+BF16, linked to the OpenMP runtime PyTorch loaded (one thread pool), and kept in the model
+cache's `kernels/` as `STEM_HASH.so`, the hash covering the source, compiler and flags. Without
+a compiler, on a CPU without AVX512-BF16, off Linux, or where the build fails, `compiled`
+answers None and callers keep their PyTorch path. `CGYM_DECODE_KERNEL=0` turns every kernel off
+(the name is the first kernel's, the decode step's attention).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch
+from cgym.agents.pretrained import ModelFetchError, cache_root
+
+KERNEL_ENV = "CGYM_DECODE_KERNEL"
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC"]
+
+# What every kernel's source starts with: the headers and a 16-lane exp.
+C_HEADER = r"""
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* e^x for x <= 0 (x >= -87.3 or it is 0), 16 lanes: 2^n * p(r), x = n ln2 + r, |r| <= ln2 / 2 */
+static inline __m512 exp_neg(__m512 x) {
+    const __m512 lo = _mm512_set1_ps(-87.3f);
+    __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+    x = _mm512_max_ps(x, lo);
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    __m512 out = _mm512_scalef_ps(p, n);
+    return _mm512_mask_blend_ps(under, out, _mm512_setzero_ps());
+}
+
+"""
+
+
+def enabled() -> bool:
+    """Whether the kernels may be used (`CGYM_DECODE_KERNEL=0` turns them off)."""
+    return os.environ.get(KERNEL_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def cpu_has_avx512_bf16() -> bool:
+    try:
+        return "avx512_bf16" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+@cache
+def compiled(source: str, stem: str) -> ctypes.CDLL | None:
+    """`source` built into a shared library and loaded (once per process; once per machine and
+    source in the model cache); None where it cannot be."""
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if compiler is None or not sys.platform.startswith("linux") or not cpu_has_avx512_bf16():
+        return None
+    omp = Path(torch.__file__).parent / "lib"
+    link = [f"-L{omp}", f"-Wl,-rpath,{omp}"] if any(omp.glob("libgomp*.so*")) else []
+    digest = hashlib.sha256("\0".join([source, compiler, *FLAGS, *link]).encode()).hexdigest()[:16]
+    try:
+        target = cache_root() / "kernels" / f"{stem}_{digest}.so"  # beside the models
+    except ModelFetchError:  # the cache names a file: no kernel, and the models say why
+        return None
+    if not target.exists():
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+                path, built = Path(tmp) / f"{stem}.c", Path(tmp) / target.name
+                path.write_text(source)
+                subprocess.run([compiler, *FLAGS, str(path), "-o", str(built), *link], check=True, capture_output=True, timeout=120)
+                os.replace(built, target)  # atomic: a concurrent build finds a whole file or none
+        except (OSError, subprocess.SubprocessError):
+            return None
+    try:
+        return ctypes.CDLL(str(target))
+    except OSError:
+        return None
