@@ -337,8 +337,8 @@ def grouped_attention(query: Tensor, key: Tensor, value: Tensor, attention_mask:
         visible = attention_mask[:, 0] if attention_mask.dtype == torch.bool else attention_mask[:, 0] == 0
         scale = scale if scale is not None else query.shape[-1] ** -0.5
         out = kernel_attention(*(t.to(torch.bfloat16) for t in (query, key, value)), visible, scale)
-        if out is not None:
-            return out.transpose(1, 2).contiguous()
+        if out is not None:  # in the queries' dtype, as SDPA returns it (a bf16 sampler's next layer takes bf16)
+            return out.to(query.dtype).transpose(1, 2).contiguous()
     out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scale, enable_gqa=True)
     return out.transpose(1, 2).contiguous()
 

@@ -381,3 +381,36 @@ def test_a_bf16_training_pass_reaches_the_kernels_and_matches_the_flash_path(tin
     for name, grad in kernel_grads.items():
         scale = float(flash_grads[name].abs().max()) + 1e-6
         assert float((grad - flash_grads[name]).abs().max()) <= 0.1 * scale, name
+
+
+@requires_kernel
+def test_a_bf16_policy_without_a_shared_prompt_samples_through_the_kernels(tiny_chat_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows that share no system prompt have no prefix part: their padded prefill and decode steps
+    take grouped attention with a mask, through the kernels, in a bf16 sampler whose packed
+    linear layers take bf16 only (the kernels' fp32 output is cast back, as SDPA's would be)."""
+    from cgym.agents.base import Conversation
+    from cgym.agents.local import kv_cache
+    from cgym.agents.local.hf import HFPolicy
+    from cgym.agents.local.precision import DTYPE_ENV
+    from cgym.agents.options import SamplingOptions
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    monkeypatch.setenv(DTYPE_ENV, "bfloat16")
+    config = AutoConfig.from_pretrained(tiny_chat_model)
+    config.update({"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64, "intermediate_size": 256})
+    calls: list[bool] = []
+    kernel = kv_cache.kernel_attention
+
+    def counted(*args: Any, **kwargs: Any) -> torch.Tensor | None:
+        out = kernel(*args, **kwargs)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(kv_cache, "kernel_attention", counted)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16).eval()
+    policy = HFPolicy(model, AutoTokenizer.from_pretrained(tiny_chat_model), sampling=SamplingOptions(temperature=1.0, max_new_tokens=12, seed=0))
+    convs = [Conversation([{"role": "user", "content": text}]) for text in ("Report customer 3.", "Which orders did customer 40 place in the last week?")]
+    policy.act(convs)
+    assert any(calls)
+    assert all(any(conv.loss_mask) for conv in convs)  # each row sampled ids
