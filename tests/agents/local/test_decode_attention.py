@@ -22,6 +22,22 @@ def _forget_builds() -> None:
     decode_attention._library.cache_clear()
 
 
+def _counted(monkeypatch: pytest.MonkeyPatch, name: str) -> list[bool]:
+    """Replace `kv_cache`'s kernel `name` by one that records, per call, whether it ran (not None)."""
+    from cgym.agents.local import kv_cache
+
+    real = getattr(kv_cache, name)
+    calls: list[bool] = []
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        out = real(*args, **kwargs)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(kv_cache, name, counted)
+    return calls
+
+
 def _inputs(batch: int, queries: int, q_len: int, keys: int, *, seed: int = 0) -> tuple[torch.Tensor, ...]:
     torch.manual_seed(seed)
     q = torch.randn(batch, 3, queries, 64).to(torch.bfloat16)
@@ -166,7 +182,6 @@ def test_a_bf16_policy_samples_through_the_kernel_as_exactly_as_through_flash(ti
     fp32 pass over the same ids as closely as the flash path's do. (A kernel with its scale off
     by 3x measured 5.6 nats off on average here; either path, ~0.07.)"""
     from cgym.agents.base import Conversation
-    from cgym.agents.local import kv_cache
     from cgym.agents.local.hf import HFPolicy
     from cgym.agents.local.precision import DTYPE_ENV
     from cgym.agents.local.sampling import sequence_logprobs
@@ -177,24 +192,8 @@ def test_a_bf16_policy_samples_through_the_kernel_as_exactly_as_through_flash(ti
     config = AutoConfig.from_pretrained(tiny_chat_model)
     config.update({"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64, "intermediate_size": 256, "initializer_range": 0.3})
     tokenizer = AutoTokenizer.from_pretrained(tiny_chat_model)
-    calls: list[bool] = []
-    kernel = kv_cache.own_attention
-
-    def counted(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
-        out = kernel(*args, **kwargs)
-        calls.append(out is not None)
-        return out
-
-    monkeypatch.setattr(kv_cache, "own_attention", counted)
-    blocks: list[bool] = []
-    block_kernel = kv_cache.block_attention
-
-    def counted_blocks(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
-        out = block_kernel(*args, **kwargs)
-        blocks.append(out is not None)
-        return out
-
-    monkeypatch.setattr(kv_cache, "block_attention", counted_blocks)
+    calls = _counted(monkeypatch, "own_attention")
+    blocks = _counted(monkeypatch, "block_attention")
     for switch in ("1", "0"):
         monkeypatch.setenv(KERNEL_ENV, switch)
         calls.clear()
@@ -355,15 +354,7 @@ def test_a_bf16_training_pass_reaches_the_kernels_and_matches_the_flash_path(tin
     attention = torch.ones_like(ids)
     attention[1, 30:] = 0  # right padding, as `pack` lays rows out
     attention[2, 25:] = 0
-    calls: list[bool] = []
-    block = kv_cache.block_attention
-
-    def counted(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
-        out = block(*args, **kwargs)
-        calls.append(out is not None)
-        return out
-
-    monkeypatch.setattr(kv_cache, "block_attention", counted)
+    calls = _counted(monkeypatch, "block_attention")
     results = []
     for switch in ("1", "0"):
         monkeypatch.setenv(KERNEL_ENV, switch)
@@ -389,7 +380,6 @@ def test_a_bf16_policy_without_a_shared_prompt_samples_through_the_kernels(tiny_
     take grouped attention with a mask, through the kernels, in a bf16 sampler whose packed
     linear layers take bf16 only (the kernels' fp32 output is cast back, as SDPA's would be)."""
     from cgym.agents.base import Conversation
-    from cgym.agents.local import kv_cache
     from cgym.agents.local.hf import HFPolicy
     from cgym.agents.local.precision import DTYPE_ENV
     from cgym.agents.options import SamplingOptions
@@ -398,15 +388,7 @@ def test_a_bf16_policy_without_a_shared_prompt_samples_through_the_kernels(tiny_
     monkeypatch.setenv(DTYPE_ENV, "bfloat16")
     config = AutoConfig.from_pretrained(tiny_chat_model)
     config.update({"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64, "intermediate_size": 256})
-    calls: list[bool] = []
-    kernel = kv_cache.kernel_attention
-
-    def counted(*args: Any, **kwargs: Any) -> torch.Tensor | None:
-        out = kernel(*args, **kwargs)
-        calls.append(out is not None)
-        return out
-
-    monkeypatch.setattr(kv_cache, "kernel_attention", counted)
+    calls = _counted(monkeypatch, "kernel_attention")
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16).eval()
     policy = HFPolicy(model, AutoTokenizer.from_pretrained(tiny_chat_model), sampling=SamplingOptions(temperature=1.0, max_new_tokens=12, seed=0))
