@@ -280,6 +280,25 @@ def available() -> bool:
     return enabled() and _library() is not None
 
 
+def _takes(query: Tensor, key: Tensor, value: Tensor, visible: Tensor | None) -> bool:
+    """What both kernels need: enabled; bf16 CPU tensors with contiguous rows; (B, H_kv, M, D)
+    queries with D = HEAD_DIM over (., H_kv, S, D) keys and values, S > 0; a visibility
+    ((B, q, S), q > 0 dividing M) if any; no gradients wanted."""
+    batch, heads, queries, dim = query.shape
+    return (
+        enabled()
+        and dim == HEAD_DIM
+        and query.device.type == "cpu"
+        and query.dtype == key.dtype == value.dtype == torch.bfloat16
+        and key.shape[1] == heads
+        and value.shape == key.shape
+        and key.shape[2] > 0
+        and (visible is None or (visible.shape == (batch, visible.shape[1], key.shape[2]) and visible.shape[1] > 0 and queries % visible.shape[1] == 0))
+        and all(t.stride(-1) == 1 for t in (query, key, value))
+        and not (torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)))
+    )
+
+
 def own_attention(query: Tensor, key: Tensor, value: Tensor, visible: Tensor, scale: float) -> tuple[Tensor, Tensor] | None:
     """(B, H_kv, M, D) bf16 queries over (B, H_kv, S, D) bf16 keys and values where `visible`
     ((B, q, S) bool; query m reads row m % q) allows: (B, H_kv, M, D) fp32 outputs and (B, H_kv, M)
@@ -287,21 +306,7 @@ def own_attention(query: Tensor, key: Tensor, value: Tensor, visible: Tensor, sc
     None where the kernel does not apply (another dtype, device or head size, a prefill's many
     queries, gradients wanted, no kernel here): the caller runs its own path."""
     batch, heads, queries, dim = query.shape
-    if (
-        not enabled()
-        or dim != HEAD_DIM
-        or queries > MAX_QUERIES
-        or query.device.type != "cpu"
-        or not (query.dtype == key.dtype == value.dtype == torch.bfloat16)
-        or key.shape[:2] != (batch, heads)
-        or value.shape != key.shape
-        or key.shape[2] == 0
-        or visible.shape != (batch, visible.shape[1], key.shape[2])
-        or visible.shape[1] == 0
-        or queries % visible.shape[1] != 0
-        or any(t.stride(-1) != 1 for t in (query, key, value))
-        or (torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)))
-    ):
+    if not _takes(query, key, value, visible) or queries > MAX_QUERIES or key.shape[0] != batch:
         return None
     lib = _library()
     if lib is None:
@@ -324,20 +329,7 @@ def block_attention(query: Tensor, key: Tensor, value: Tensor, visible: Tensor |
     where `visible` ((B, q, S) bool, query m reading row m % q; None: every key) allows. The
     same outputs, exact to fp32 rounding against fp64; None where the kernel does not apply."""
     batch, heads, queries, dim = query.shape
-    if (
-        not enabled()
-        or dim != HEAD_DIM
-        or query.device.type != "cpu"
-        or not (query.dtype == key.dtype == value.dtype == torch.bfloat16)
-        or key.shape[0] not in (1, batch)
-        or key.shape[1] != heads
-        or value.shape != key.shape
-        or key.shape[2] == 0
-        or queries == 0
-        or (visible is not None and (visible.shape != (batch, visible.shape[1], key.shape[2]) or visible.shape[1] == 0 or queries % visible.shape[1] != 0))
-        or any(t.stride(-1) != 1 for t in (query, key, value))
-        or (torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)))
-    ):
+    if not _takes(query, key, value, visible) or queries == 0 or key.shape[0] not in (1, batch):
         return None
     lib = _library()
     if lib is None:
