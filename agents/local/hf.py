@@ -19,7 +19,7 @@ from cgym.agents.ledger import ChatEncoder
 from cgym.agents.local.allocator import keep_freed_memory
 from cgym.agents.local.batching import kv_budgets, kv_bytes_per_token, length_chunks
 from cgym.agents.local.kv_cache import PrefixCache
-from cgym.agents.local.packed import pack_linears
+from cgym.agents.local.lean_layers import sampling_model
 from cgym.agents.local.precision import SamplingWeights, compute_dtype
 from cgym.agents.local.sampling import LOOKUP_TOKENS, Sample, sample_batch
 from cgym.agents.local.turn_cache import TurnCache
@@ -107,15 +107,16 @@ class HFPolicy:
 
         `inference_only` says the policy will only ever sample (an eval, a comparison, a critic):
         its model's linear layers are then packed in place for oneDNN where the CPU takes it
-        (`agents.local.packed`: decode steps read each weight once), and the plain weights are
-        gone, so that model cannot be trained or saved."""
+        (`agents.local.packed`: decode steps read each weight once, `agents.local.lean_layers`:
+        fewer ops a layer), and the plain weights are gone, so that model cannot be trained or
+        saved."""
         if dtype is None:
             dtype = compute_dtype(device)
         if torch.device(device).type == "cpu":
             keep_freed_memory()
         model, tokenizer = load_pretrained(name_or_path, dtype=dtype)
         if inference_only and dtype == compute_dtype(device):
-            pack_linears(model.requires_grad_(False))
+            sampling_model(model.requires_grad_(False))
         return cls(model, tokenizer, device=device, name=f"hf:{name_or_path}", **kw)
 
     def reseed(self, seed: int) -> None:

@@ -45,6 +45,34 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, packed"
 
 
+class FusedLinear(PackedLinear):
+    """Several linear layers that read the same input as one packed layer: their outputs side by
+    side, in the order of `parts` (the names of the layers it replaces, beside it in its parent).
+    Each output column is the same dot product as in its own layer."""
+
+    def __init__(self, parts: tuple[str, ...], layers: list[nn.Module]) -> None:
+        self.parts = parts
+        self.widths = [layer.out_features for layer in layers]
+        super().__init__(*_stacked(layers))
+
+    def load_parts(self, layers: list[nn.Module]) -> None:
+        """Pack the weights of new layers of the replaced shapes, in the order of `parts`."""
+        if [layer.out_features for layer in layers] != self.widths:
+            raise ValueError(f"layers of {[layer.out_features for layer in layers]} outputs for parts of {self.widths}")
+        self.load(*_stacked(layers))
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, parts={'+'.join(self.parts)}"
+
+
+def _stacked(layers: list[nn.Module]) -> tuple[Tensor, Tensor | None]:
+    weight = torch.cat([layer.weight.detach() for layer in layers])
+    biases = [layer.bias for layer in layers]
+    if all(bias is None for bias in biases):
+        return weight, None
+    return weight, torch.cat([b.detach() if b is not None else weight.new_zeros(layer.out_features) for b, layer in zip(biases, layers, strict=True)])
+
+
 def packable(model: nn.Module) -> bool:
     """Whether `model`'s linear layers can be packed: bf16 weights on the CPU, and a PyTorch
     built with oneDNN's packed linear. (fp32 is left alone: there `F.linear` takes MKL's sgemm,
@@ -79,6 +107,10 @@ def copy_weights(copy: nn.Module, source: nn.Module) -> None:
     sources = dict(source.named_modules())
     with torch.no_grad():
         for name, module in copy.named_modules():
+            if isinstance(module, FusedLinear):
+                parent = name.rpartition(".")[0]
+                module.load_parts([sources[f"{parent}.{part}" if parent else part] for part in module.parts])
+                continue
             if isinstance(module, PackedLinear):
                 module.load(sources[name].weight, sources[name].bias)
                 continue

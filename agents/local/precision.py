@@ -16,8 +16,9 @@ from functools import cache, partial
 
 import torch
 from cgym.agents.local.kv_cache import FOLDED_FROM, weights_version
+from cgym.agents.local.lean_layers import sampling_model
 from cgym.agents.local.lora import has_adapters, merged
-from cgym.agents.local.packed import copy_weights, pack_linears
+from cgym.agents.local.packed import copy_weights
 
 DTYPE_ENV = "CGYM_DTYPE"
 
@@ -107,7 +108,7 @@ class SamplingWeights:
     Autocast re-casts every weight at every decode step; a copy made once per optimizer step
     costs one cast of the weights, and packs its linear layers for oneDNN where the CPU takes
     it (`agents.local.packed`: a decode step of a GRPO group's rows reads each weight once, not
-    twice). Where the compute dtype is the model's own, it is the model,
+    twice), Llama and Qwen2 layers in fewer ops (`agents.local.lean_layers`). Where the compute dtype is the model's own, it is the model,
     unless it is LoRA-wrapped: a LoRA model's copy, in any dtype, has its adapters folded in, so
     sampling runs a plain model (on the fp32 EPYC, one GRPO step's rollout of 4 x 8 ApiReport
     episodes took 50.8 s through peft's adapter layers and 34.9 s on the folded copy).
@@ -132,9 +133,9 @@ class SamplingWeights:
         version = weights_version(self.model)
         if adapters:  # LoRA: fold the adapters into a fresh plain copy at each new version
             if self._copy is None or version != self._version:
-                self._copy = pack_linears(merged(self.model).to(dtype).eval().requires_grad_(False))
+                self._copy = sampling_model(merged(self.model).to(dtype).eval().requires_grad_(False))
         elif self._copy is None:
-            self._copy = pack_linears(copy.deepcopy(self.model).to(dtype).eval().requires_grad_(False))
+            self._copy = sampling_model(copy.deepcopy(self.model).to(dtype).eval().requires_grad_(False))
         elif version != self._version:
             copy_weights(self._copy, self.model)
         setattr(self._copy, FOLDED_FROM, version)  # what the caches compare (`weights_version`)

@@ -1,0 +1,150 @@
+"""The sampler's lean Llama layers: the same logits and samples as transformers' layers, bit for
+bit on CPUs with native bf16; fused weights that follow the trainer's; other layers untouched."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from cgym.agents.local.lean_layers import fits, lean_forward, sampling_model
+from cgym.agents.local.packed import FusedLinear, PackedLinear, pack_linears, packable
+from cgym.agents.local.precision import DTYPE_ENV, SamplingWeights, cpu_has_bf16
+from cgym.agents.local.sampling import sample_batch
+from cgym.agents.options import SamplingOptions
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
+
+pytestmark = [
+    pytest.mark.skipif(not packable(nn.Linear(2, 2).to(torch.bfloat16)), reason="this PyTorch has no oneDNN packed linear"),
+    pytest.mark.skipif(not cpu_has_bf16(), reason="this CPU has no native bf16: the packed layers' sums may differ from F.linear's"),
+]
+
+
+SIZES = {"hidden_size": 192, "num_attention_heads": 3, "num_key_value_heads": 1, "head_dim": 64, "intermediate_size": 256, "initializer_range": 0.3}
+
+
+def _model(tiny_chat_model: Path, kind: str = "qwen2") -> nn.Module:
+    """A bf16 Qwen2 (the tiny model's family: biased query, key and value projections) or Llama,
+    with 64-wide heads (the attention kernels' size) and weights sharp enough that small
+    differences change the sampled ids."""
+    config = AutoConfig.from_pretrained(tiny_chat_model)
+    config.update(SIZES)
+    if kind == "llama":
+        config = LlamaConfig(**{**config.to_dict(), "model_type": "llama", "attention_bias": False})
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).to(torch.bfloat16).eval().requires_grad_(False)
+
+
+def _pair(tiny_chat_model: Path, kind: str = "qwen2") -> tuple[nn.Module, nn.Module]:
+    """The same weights as transformers' layers (linear layers packed) and as lean layers."""
+    model = _model(tiny_chat_model, kind)
+    return pack_linears(copy.deepcopy(model)), sampling_model(model)
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+def test_lean_layers_replace_every_layers_projections(tiny_chat_model: Path, kind: str) -> None:
+    plain, lean = _pair(tiny_chat_model, kind)
+    assert type(lean.model.layers[0]).__name__.lower().startswith(kind)
+    for layer in lean.model.layers:
+        assert layer.forward.__func__ is lean_forward
+        assert isinstance(layer.self_attn.qkv_proj, FusedLinear) and layer.self_attn.qkv_proj.widths == [192, 64, 64]
+        assert isinstance(layer.mlp.gate_up_proj, FusedLinear) and layer.mlp.gate_up_proj.widths == [256, 256]
+        assert not any(hasattr(layer.self_attn, name) for name in ("q_proj", "k_proj", "v_proj"))
+        assert isinstance(layer.self_attn.o_proj, PackedLinear) and isinstance(layer.mlp.down_proj, PackedLinear)
+    assert not any(type(module) is nn.Linear for module in lean.modules())
+    assert all("forward" not in vars(layer) for layer in plain.model.layers)
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+def test_a_lean_model_gives_the_same_logits_with_padding_and_through_the_cache(tiny_chat_model: Path, kind: str) -> None:
+    plain, lean = _pair(tiny_chat_model, kind)
+    ids = torch.tensor([[0, 0, 5, 9, 13, 17, 21], [2, 6, 10, 14, 18, 22, 26]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1], [1] * 7])
+    with torch.no_grad():
+        assert torch.equal(lean(input_ids=ids, attention_mask=mask).logits, plain(input_ids=ids, attention_mask=mask).logits)
+        caches = [model(input_ids=ids[:, :5], attention_mask=mask[:, :5], use_cache=True).past_key_values for model in (plain, lean)]
+        steps = [model(input_ids=ids[:, 5:], attention_mask=mask, cache=cache, use_cache=True).logits for model, cache in zip((plain, lean), caches)]
+    assert torch.equal(steps[0], steps[1])
+
+
+@pytest.mark.parametrize(("kind", "temperature"), [("qwen2", 0.0), ("qwen2", 1.0), ("llama", 1.0)])
+def test_a_lean_model_samples_the_same_ids_and_logprobs(tiny_chat_model: Path, kind: str, temperature: float) -> None:
+    plain, lean = _pair(tiny_chat_model, kind)
+    prompts = [[1, 5, 9, 13, 17, 21, 25, 29], [1, 5, 9, 13, 17, 21, 40, 44, 48], [1, 5, 9, 13, 17, 21, 7]]  # a shared head, own tails
+    params = SamplingOptions(temperature=temperature, max_new_tokens=24)
+    runs = [sample_batch(model, prompts, params=params, stop_ids={0}, pad_id=0, generator=torch.Generator().manual_seed(3)) for model in (plain, lean)]
+    assert runs[0] == runs[1]
+    assert sum(len(sample.ids) for sample in runs[0]) >= 30
+
+
+def test_a_policys_turns_over_a_shared_prompt_are_the_same(tiny_chat_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The policy's path: the system prompt's keys shared by all rows, the attention kernels,
+    turns continued from the turn cache."""
+    from cgym.agents.base import Conversation
+    from cgym.agents.local.hf import HFPolicy
+    from transformers import AutoTokenizer
+
+    monkeypatch.setenv(DTYPE_ENV, "bfloat16")  # the policy samples from the model it is given
+    tokenizer = AutoTokenizer.from_pretrained(tiny_chat_model)
+    turns = []
+    for model in _pair(tiny_chat_model):
+        policy = HFPolicy(model, tokenizer, sampling=SamplingOptions(temperature=1.0, max_new_tokens=16, seed=0))
+        convs = [
+            Conversation([{"role": "system", "content": "You write JSON reports for the customers."}, {"role": "user", "content": f"Report customer {i}."}])
+            for i in (3, 40, 7)
+        ]
+        first = policy.act(convs)
+        for conv, turn in zip(convs, first, strict=True):
+            conv.messages += [{"role": "assistant", "content": turn.text}, {"role": "user", "content": "Now the summary."}]
+        second = policy.act(convs)
+        assert policy.turn_cache is not None and policy.turn_cache.hits == len(convs)
+        turns.append([(turn.token_ids, turn.logprobs) for turn in (*first, *second)])
+    assert turns[0] == turns[1]
+
+
+def test_the_samplers_copy_is_lean_and_its_fused_weights_follow_the_trainers(tiny_chat_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(DTYPE_ENV, "bfloat16")
+    master = _model(tiny_chat_model).float()
+    weights = SamplingWeights(master)
+    copy_ = weights.get()
+    assert isinstance(copy_.model.layers[0].self_attn.qkv_proj, FusedLinear)
+    with torch.no_grad():
+        for name, param in master.named_parameters():
+            if name.endswith(("k_proj.weight", "up_proj.weight")):  # a middle part of each fused layer
+                param.mul_(-1.5)
+    assert weights.get() is copy_
+    fresh = pack_linears(copy.deepcopy(master).to(torch.bfloat16))
+    ids = torch.tensor([[1, 5, 9, 13, 17, 21]])
+    with torch.no_grad():
+        assert torch.equal(copy_(input_ids=ids).logits, fresh(input_ids=ids).logits)
+
+
+def test_other_layers_keep_their_forward(tiny_chat_model: Path) -> None:
+    qwen3 = _model(tiny_chat_model)
+    for layer in qwen3.model.layers:
+        layer.self_attn.q_norm = nn.Identity()  # a structure the lean forward does not reproduce
+    assert not any(fits(layer) for layer in qwen3.model.layers)
+    sampling_model(qwen3)
+    assert all("forward" not in vars(layer) for layer in qwen3.model.layers) and isinstance(qwen3.model.layers[0].self_attn.q_proj, PackedLinear)
+    other = _model(tiny_chat_model)
+    other.config.model_type = "qwen2_moe"  # a family not listed
+    sampling_model(other)
+    assert all("forward" not in vars(layer) for layer in other.model.layers)
+    fp32 = _model(tiny_chat_model).float()
+    assert sampling_model(fp32) is fp32 and type(fp32.model.layers[0].self_attn.q_proj) is nn.Linear
+
+
+def test_a_fused_layer_with_some_biases_and_the_wrong_shapes() -> None:
+    torch.manual_seed(0)
+    parts = [nn.Linear(32, 48, bias=True).to(torch.bfloat16), nn.Linear(32, 16, bias=False).to(torch.bfloat16)]
+    fused = FusedLinear(("a", "b"), parts)
+    x = torch.randn(5, 32).to(torch.bfloat16)
+    with torch.no_grad():
+        first, second = fused(x).split(fused.widths, dim=-1)
+        assert torch.equal(first, PackedLinear(parts[0].weight, parts[0].bias)(x))
+        assert torch.equal(second, PackedLinear(parts[1].weight, None)(x))
+    with pytest.raises(ValueError, match=r"\[48, 48\]"):
+        fused.load_parts([parts[0], parts[0]])
+    assert "parts=a+b" in repr(fused)
