@@ -44,12 +44,6 @@ _SOURCE = C_HEADER + r"""
 #define D 64
 #define MASKED (-1e30f)
 
-static inline __m512 bf16_lo(__m512i x) { /* bf16 pairs -> the low element of each as fp32 */
-    return _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
-}
-static inline __m512 bf16_hi(__m512i x) {
-    return _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32((int)0xffff0000)));
-}
 
 /* out[b, h, m, :] = softmax over the visible s of (q[b, h, m] . k[b, h, s]) * scale, times v;
    lse[b, h, m] = log of that softmax's denominator (-inf, and out 0, where no key is visible).

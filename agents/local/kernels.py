@@ -26,7 +26,7 @@ from cgym.agents.pretrained import ModelFetchError, cache_root
 KERNEL_ENV = "CGYM_DECODE_KERNEL"
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC"]
 
-# What every kernel's source starts with: the headers and a 16-lane exp.
+# What every kernel's source starts with: the headers, a 16-lane exp, bf16 pairs widened.
 C_HEADER = r"""
 #include <immintrin.h>
 #include <math.h>
@@ -51,6 +51,13 @@ static inline __m512 exp_neg(__m512 x) {
     p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
     __m512 out = _mm512_scalef_ps(p, n);
     return _mm512_mask_blend_ps(under, out, _mm512_setzero_ps());
+}
+
+static inline __m512 bf16_lo(__m512i x) { /* bf16 pairs -> the low element of each as fp32 */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+}
+static inline __m512 bf16_hi(__m512i x) {
+    return _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32((int)0xffff0000)));
 }
 
 """

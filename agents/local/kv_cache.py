@@ -13,11 +13,12 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from cgym.agents.local.decode_attention import FEW_QUERIES, HEAD_DIM, block_attention, own_attention
 from cgym.agents.local.decode_attention import available as kernel_available
+from cgym.agents.local.step_attention import PackedPrefix, pack_prefix, step_attention
 from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
@@ -240,8 +241,20 @@ def weights_version(model: torch.nn.Module) -> tuple[int, int]:
 
 # -- attention against a shared prefix ------------------------------------------------------
 PREFIX_ATTENTION = "cgym_shared_prefix"
-# per layer (1, H_kv, P, D): keys and values as given, and as the attention below reads them
-_PREFIX: ContextVar[tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor]] | None] = ContextVar("cgym_prefix_kv", default=None)
+
+
+class _Prefix(NamedTuple):
+    """A shared prefix's per-layer (1, H_kv, P, D) keys and values as given, in fp32 for the
+    flash kernel, and packed for `step_attention` (None where it does not run)."""
+
+    keys: list[Tensor]
+    values: list[Tensor]
+    wide_keys: list[Tensor]
+    wide_values: list[Tensor]
+    packed: list[PackedPrefix | None]
+
+
+_PREFIX: ContextVar[_Prefix | None] = ContextVar("cgym_prefix_kv", default=None)
 # The CPU flash-attention kernel, which also returns each query's log-sum-exp of scores: two
 # attentions (over the prefix, over a row's own keys) then merge exactly. Private to PyTorch,
 # hence looked up, with the concatenating path below wherever it is missing.
@@ -253,9 +266,10 @@ def shared_prefix(keys: list[Tensor], values: list[Tensor]) -> Iterator[None]:
     """Within this block, attention layers of models set up with `use_prefix_attention` attend to
     these per-layer (1, H_kv, P, D) keys/values first; the cache holds only each row's own part."""
     if _FLASH_CPU is not None and keys and keys[0].device.type == "cpu":
-        token = _PREFIX.set((keys, values, [k.float() for k in keys], [v.float() for v in values]))
+        packed = [pack_prefix(k, v) for k, v in zip(keys, values, strict=True)]
+        token = _PREFIX.set(_Prefix(keys, values, [k.float() for k in keys], [v.float() for v in values], packed))
     else:
-        token = _PREFIX.set((keys, values, keys, values))
+        token = _PREFIX.set(_Prefix(keys, values, keys, values, [None] * len(keys)))
     try:
         yield
     finally:
@@ -297,6 +311,8 @@ def prefix_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value:
     per `shared_prefix` block; the own part runs in the
     cache's dtype, which saves casting every row's cached keys and values at every decode step
     (a 100-row decode step's own-key attention: 2.4 ms a layer in bf16, 3.8 ms with the casts).
+    A decode step's few queries in bf16 take all of this in one call, the prefix packed once
+    per block (`step_attention`).
     Elsewhere each row gets a copy of the prefix for SDPA.
     With no prefix active (the training pass) it is SDPA, through `grouped_attention` on CPU
     (in bf16, the C kernels' forward and the flash kernel's backward).
@@ -308,15 +324,19 @@ def prefix_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value:
         return _sdpa(module, query, key, value, attention_mask, **kwargs)
     layer = module.layer_idx
     if _FLASH_CPU is None or query.device.type != "cpu":
-        prefix_k, prefix_v = prefix[0][layer], prefix[1][layer]
+        prefix_k, prefix_v = prefix.keys[layer], prefix.values[layer]
         batch = query.shape[0]
         full_k = torch.cat([prefix_k.expand(batch, -1, -1, -1), key], 2)
         full_v = torch.cat([prefix_v.expand(batch, -1, -1, -1), value], 2)
         return _sdpa(module, query, full_k, full_v, attention_mask, **kwargs)
     scale = kwargs.get("scaling") or query.shape[-1] ** -0.5
-    low = kernel_available() and prefix[0][layer].dtype == torch.bfloat16 and prefix[0][layer].shape[-1] == HEAD_DIM  # the kernel reads the bf16 prefix
-    prefix_k, prefix_v = (prefix[0][layer], prefix[1][layer]) if low else (prefix[2][layer], prefix[3][layer])
-    visible = _own_mask(attention_mask, query.shape[0], query.shape[2], key.shape[2], prefix_k.shape[2], query.device)
+    visible = _own_mask(attention_mask, query.shape[0], query.shape[2], key.shape[2], prefix.keys[layer].shape[2], query.device)
+    if prefix.packed[layer] is not None:
+        out = step_attention(query, prefix.packed[layer], key, value, visible, scale)  # a decode step, in one call
+        if out is not None:
+            return out, None
+    low = kernel_available() and prefix.keys[layer].dtype == torch.bfloat16 and prefix.keys[layer].shape[-1] == HEAD_DIM  # the kernel reads the bf16 prefix
+    prefix_k, prefix_v = (prefix.keys[layer], prefix.values[layer]) if low else (prefix.wide_keys[layer], prefix.wide_values[layer])
     out = split_attention(query, key, value, prefix_k, prefix_v, visible, scale)
     return out.to(query.dtype), None
 

@@ -192,11 +192,11 @@ def test_a_bf16_policy_samples_through_the_kernel_as_exactly_as_through_flash(ti
     config = AutoConfig.from_pretrained(tiny_chat_model)
     config.update({"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64, "intermediate_size": 256, "initializer_range": 0.3})
     tokenizer = AutoTokenizer.from_pretrained(tiny_chat_model)
-    calls = _counted(monkeypatch, "own_attention")
+    steps = _counted(monkeypatch, "step_attention")
     blocks = _counted(monkeypatch, "block_attention")
     for switch in ("1", "0"):
         monkeypatch.setenv(KERNEL_ENV, switch)
-        calls.clear()
+        steps.clear()
         blocks.clear()
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16).eval()
@@ -206,7 +206,7 @@ def test_a_bf16_policy_samples_through_the_kernel_as_exactly_as_through_flash(ti
             for i in (3, 40, 7)
         ]
         policy.act(convs)
-        assert any(calls) == (switch == "1")  # on: decode steps reached the kernel; off: none did
+        assert any(steps) == (switch == "1")  # on: decode steps reached the one-call kernel; off: none did
         assert any(blocks) == (switch == "1")  # and the prefills and the shared prompt's part the block kernel
         fp32 = model.float()
         gaps = []
