@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from cgym.agents.local import lean_layers
+from cgym.agents.local.kernels import KERNEL_ENV
 from cgym.agents.local.lean_layers import fits, lean_forward, sampling_model
 from cgym.agents.local.packed import FusedLinear, PackedLinear, pack_linears, packable
 from cgym.agents.local.precision import DTYPE_ENV, SamplingWeights, cpu_has_bf16
@@ -148,3 +150,45 @@ def test_a_fused_layer_with_some_biases_and_the_wrong_shapes() -> None:
     with pytest.raises(ValueError, match=r"\[48, 48\]"):
         fused.load_parts([parts[0], parts[0]])
     assert "parts=a+b" in repr(fused)
+
+
+def _torch_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+    wide = x.float()
+    return norm.weight * (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)).to(x.dtype)
+
+
+@pytest.mark.skipif(lean_layers._library() is None, reason="no C compiler or no AVX512-BF16 here: the PyTorch ops run")
+def test_the_norm_kernel_is_transformers_norm_within_its_sums_order(tiny_chat_model: Path) -> None:
+    norm = _model(tiny_chat_model).model.layers[0].input_layernorm
+    torch.manual_seed(0)
+    norm.weight.copy_(torch.randn(192))  # not the ones it starts from: the scaling's rounding shows
+    for rows in (1, 7, 3000):  # one thread, and several
+        x = (torch.randn(rows, 192) * 3).to(torch.bfloat16)
+        got, want = lean_layers._rms_norm(x, norm), _torch_norm(x, norm)
+        assert got.dtype == torch.bfloat16 and got.shape == x.shape
+        assert float((got == want).double().mean()) > 0.999
+        # a normalised value one bf16 step apart, then scaled and rounded: at most two steps
+        torch.testing.assert_close(got.float(), want.float(), atol=0.0, rtol=2**-6)
+
+
+@pytest.mark.skipif(lean_layers._library() is None, reason="no C compiler or no AVX512-BF16 here: the PyTorch ops run")
+def test_the_rotation_kernel_is_bit_for_bit_the_rotary_embedding() -> None:
+    torch.manual_seed(0)
+    batch, steps, heads, kv_heads, dim = 3, 5, 9, 3, 64
+    fused = torch.randn(batch, steps, (heads + 2 * kv_heads) * dim).to(torch.bfloat16)
+    cos, sin = (torch.randn(batch, steps, dim).to(torch.bfloat16) for _ in range(2))
+    rotated = fused.clone()
+    assert lean_layers._rotate_in_place(rotated, cos, sin, heads + kv_heads)
+    for start, count in ((0, heads), (heads, kv_heads)):
+        part = fused[..., start * dim : (start + count) * dim].view(batch, steps, count, dim).transpose(1, 2)
+        got = rotated[..., start * dim : (start + count) * dim].view(batch, steps, count, dim).transpose(1, 2)
+        assert torch.equal(got, lean_layers._rotated(part, cos.unsqueeze(1), sin.unsqueeze(1)))
+    assert torch.equal(rotated[..., (heads + kv_heads) * dim :], fused[..., (heads + kv_heads) * dim :])  # the values untouched
+    assert not lean_layers._rotate_in_place(fused.float(), cos.float(), sin.float(), heads)
+
+
+def test_switched_off_the_layers_run_pytorch_ops(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(KERNEL_ENV, "0")
+    fused = torch.randn(1, 1, 3 * 64).to(torch.bfloat16)
+    cos, sin = (torch.randn(1, 1, 64).to(torch.bfloat16) for _ in range(2))
+    assert lean_layers._library() is None and not lean_layers._rotate_in_place(fused, cos, sin, 2)
