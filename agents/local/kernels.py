@@ -26,7 +26,7 @@ from cgym.agents.pretrained import ModelFetchError, cache_root
 KERNEL_ENV = "CGYM_DECODE_KERNEL"
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC"]
 
-# What every kernel's source starts with: the headers, a 16-lane exp, bf16 pairs widened.
+# What every kernel's source starts with: the headers, a 16-lane exp, bf16 read as fp32.
 C_HEADER = r"""
 #include <immintrin.h>
 #include <math.h>
@@ -59,6 +59,11 @@ static inline __m512 bf16_lo(__m512i x) { /* bf16 pairs -> the low element of ea
 static inline __m512 bf16_hi(__m512i x) {
     return _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32((int)0xffff0000)));
 }
+static inline __m512 load_bf16(const uint16_t *p, __mmask16 m) { /* up to 16 bf16 -> fp32 */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+static inline __mmask16 lanes(long left) { return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1); }
+static inline float bf16_value(uint16_t h) { uint32_t bits = (uint32_t)h << 16; float f; memcpy(&f, &bits, 4); return f; }
 
 """
 

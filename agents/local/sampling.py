@@ -29,6 +29,7 @@ from cgym.agents.local.kv_cache import (
     use_prefix_attention,
 )
 from cgym.agents.local.lookup import LOOKUP_ROWS, LOOKUP_TOKENS, PromptLookup
+from cgym.agents.local.pick import pick_rows
 from cgym.agents.local.target_logprobs import target_logprobs
 from cgym.agents.local.turn_cache import Reuse, TurnCache
 from cgym.agents.options import SamplingOptions
@@ -575,7 +576,12 @@ def _left_pad(
 def _pick(
     logits: Tensor, params: SamplingOptions, generator: torch.Generator | None
 ) -> tuple[Tensor, Tensor]:
-    """(b, V) logits -> sampled ids (b,) and their log-probs (b,)."""
+    """(b, V) logits -> sampled ids (b,) and their log-probs (b,): in one C pass per row where it
+    runs (`pick.pick_rows`: bf16 logits, no top-p), else through `_distribution`."""
+    if params.temperature == 0 or params.top_p == 1.0:
+        picked = pick_rows(logits, params.temperature, generator)
+        if picked is not None:
+            return picked
     logp, allowed = _distribution(logits, params)
     tok = logp.argmax(-1) if params.temperature == 0 else _gumbel_argmax(allowed, generator)
     return tok, logp.gather(-1, tok[:, None]).squeeze(1)

@@ -25,11 +25,6 @@ from cgym.agents.local.kernels import C_HEADER, compiled, enabled
 from torch import Tensor
 
 _SOURCE = C_HEADER + r"""
-static inline __m512 widen(const uint16_t *p, __mmask16 m) { /* up to 16 bf16 -> fp32 */
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
-static inline __mmask16 lanes(long left) { return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1); }
-static inline float bf16_value(uint16_t h) { uint32_t bits = (uint32_t)h << 16; float f; memcpy(&f, &bits, 4); return f; }
 static inline uint16_t to_bf16(float f) { /* round to nearest even, as PyTorch casts */
     uint32_t bits; memcpy(&bits, &f, 4);
     return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
@@ -46,13 +41,13 @@ void row_logprobs(const uint16_t *x, const int64_t *target, float *lse, float *p
         __m512 top = _mm512_set1_ps(-INFINITY);
         for (long v = 0; v < V; v += 16) {
             __mmask16 m = lanes(V - v);
-            top = _mm512_mask_max_ps(top, m, top, _mm512_mul_ps(widen(row + v, m), scale));
+            top = _mm512_mask_max_ps(top, m, top, _mm512_mul_ps(load_bf16(row + v, m), scale));
         }
         float peak = _mm512_reduce_max_ps(top);
         __m512 high = _mm512_set1_ps(peak), sum = _mm512_setzero_ps();
         for (long v = 0; v < V; v += 16) {
             __mmask16 m = lanes(V - v);
-            sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(m, exp_neg(_mm512_fmsub_ps(widen(row + v, m), scale, high))));
+            sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(m, exp_neg(_mm512_fmsub_ps(load_bf16(row + v, m), scale, high))));
         }
         lse[r] = peak + logf(_mm512_reduce_add_ps(sum));
         picked[r] = bf16_value(row[target[r]]) * inv_t - lse[r];
@@ -70,7 +65,7 @@ void row_logprobs_backward(const uint16_t *x, const int64_t *target, const float
         const __m512 scale = _mm512_set1_ps(inv_t), low = _mm512_set1_ps(lse[r]), weight = _mm512_set1_ps(-grad[r] * inv_t);
         for (long v = 0; v < V; v += 16) {
             __mmask16 m = lanes(V - v);
-            __m512 w = _mm512_mul_ps(exp_neg(_mm512_fmsub_ps(widen(row + v, m), scale, low)), weight);
+            __m512 w = _mm512_mul_ps(exp_neg(_mm512_fmsub_ps(load_bf16(row + v, m), scale, low)), weight);
             _mm256_mask_storeu_epi16(dst + v, m, (__m256i)_mm512_cvtneps_pbh(w));
         }
         long t = target[r];
