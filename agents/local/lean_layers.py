@@ -105,8 +105,7 @@ def lean_forward(
         kwargs["sliding_window"] = attn.sliding_window
     out, _ = attention(attn, q, k, v, attention_mask, dropout=0.0, scaling=attn.scaling, **kwargs)
     hidden_states = hidden_states + attn.o_proj(out.reshape(batch, length, -1))
-    gate, up = mlp.gate_up_proj(_rms_norm(hidden_states, self.post_attention_layernorm)).chunk(2, dim=-1)
-    return hidden_states + mlp.down_proj(nn.functional.silu(gate) * up)
+    return hidden_states + mlp.down_proj(_gated(mlp.gate_up_proj(_rms_norm(hidden_states, self.post_attention_layernorm))))
 
 
 def _rms_norm(x: Tensor, norm: nn.Module) -> Tensor:
@@ -129,6 +128,19 @@ def _rotated(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """The rotary embedding of (B, H, T, D) `x`: `x * cos + rotate_half(x) * sin`."""
     half = x.shape[-1] // 2
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def _gated(gate_up: Tensor) -> Tensor:
+    """`silu(gate) * up` from the fused projection's [gate | up] output, each rounded to bf16 as
+    PyTorch rounds them; in one C call for bf16 where the kernels run (its sigmoid's exp is not
+    PyTorch's: a rare last-bit difference)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    lib = _library() if gate_up.dtype == torch.bfloat16 and gate_up.is_contiguous() and gate_up.shape[-1] % 32 == 0 and gate_up.device.type == "cpu" else None
+    if lib is None:
+        return nn.functional.silu(gate) * up
+    out = gate.new_empty(gate.shape)
+    lib.gated(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // gate_up.shape[-1], gate.shape[-1], torch.get_num_threads())
+    return out
 
 
 def _rotate_in_place(qkv: Tensor, cos: Tensor, sin: Tensor, heads: int) -> bool:
@@ -180,6 +192,25 @@ void rms_norm(const uint16_t *x, const uint16_t *w, uint16_t *out, long rows, lo
     }
 }
 
+/* out[r] = bf16(bf16(silu(g)) * u) for row r = [g | u] of 2 * half: silu(g) = g / (1 + e^-g) */
+void gated(const uint16_t *gate_up, uint16_t *out, long rows, long half, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows * half >= 65536)
+    for (long r = 0; r < rows; r++) {
+        const uint16_t *g = gate_up + r * 2 * half, *u = g + half;
+        for (long i = 0; i < half; i += 16) {
+            __m512 x = widen(_mm256_loadu_si256((const __m256i *)(g + i)));
+            /* e^-x for x >= 0 from exp_neg; for x < 0, silu(x) = x e^x / (1 + e^x) */
+            __m512 e = exp_neg(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
+            __mmask16 negative = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
+            __m512 one = _mm512_set1_ps(1.0f);
+            __m512 numerator = _mm512_mask_mul_ps(x, negative, x, e);
+            __m512 silu = _mm512_div_ps(numerator, _mm512_add_ps(one, e));
+            __m512 y = _mm512_mul_ps(widen(narrow(silu)), widen(_mm256_loadu_si256((const __m256i *)(u + i))));
+            _mm256_storeu_si256((__m256i *)(out + r * half + i), narrow(y));
+        }
+    }
+}
+
 /* For each of `rows` rows of `width`, its first `heads` heads of D: x <- bf16(bf16(x * cos) +
    bf16(rotate_half(x) * sin)), rotate_half(x) = (-x[D/2:], x[:D/2]); cos, sin: one row of D per row */
 void rotate(uint16_t *qkv, const uint16_t *cos, const uint16_t *sin, long rows, long width, long heads, long D, int threads) {
@@ -216,7 +247,8 @@ def _built() -> ctypes.CDLL | None:
     lib = compiled(_SOURCE, "lean_layers")
     if lib is None:
         return None
-    lib.rms_norm.restype = lib.rotate.restype = None
+    lib.rms_norm.restype = lib.rotate.restype = lib.gated.restype = None
+    lib.gated.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_long] * 2 + [ctypes.c_int]
     lib.rms_norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 2 + [ctypes.c_float, ctypes.c_int]
     lib.rotate.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 4 + [ctypes.c_int]
     return lib

@@ -57,28 +57,28 @@ static void widen_values(const uint16_t *v, long n, long vss, long width, float 
     }
 }
 
-/* scores[m][s] = (q_m . key s) * scale for n packed keys, in blocks of QB queries; MASKED past n
-   and where seen[m] (a row of n visibility bytes, or NULL: every key) says 0. peak[m] rises to
-   the largest. */
-static void score_packed(const uint32_t *kp, long n, const uint16_t **qm, const uint8_t **seen, long M,
-                         float scale, float *scores, long width, float *peak) {
+/* scores[m][s] = (q_m . key s) * scale for n packed keys, in blocks of qb <= QB queries; MASKED
+   past n and where seen[m] (a row of n visibility bytes, or NULL: every key) says 0. peak[m]
+   rises to the largest. Inlined with qb a constant, so each block size gets its own loops. */
+static inline __attribute__((always_inline)) void score_blocks(const uint32_t *kp, long n, const uint16_t **qm, const uint8_t **seen, long M,
+                         float scale, float *scores, long width, float *peak, const int qb) {
     long blocks = (n + 15) / 16;
     const __m512 scaled = _mm512_set1_ps(scale), masked = _mm512_set1_ps(MASKED);
-    for (long m0 = 0; m0 < M; m0 += QB) {
-        long rows = M - m0 < QB ? M - m0 : QB;
+    for (long m0 = 0; m0 < M; m0 += qb) {
+        long rows = M - m0 < qb ? M - m0 : qb;
         const uint32_t *qr[QB];
         __m512 top[QB];
-        for (int r = 0; r < QB; r++) { /* a short last block repeats its last query */
+        for (int r = 0; r < qb; r++) { /* a short last block repeats its last query */
             qr[r] = (const uint32_t *)qm[m0 + (r < rows ? r : rows - 1)];
             top[r] = masked;
         }
         for (long j = 0; j < blocks; j++) {
             __m512 acc[QB];
-            for (int r = 0; r < QB; r++) acc[r] = _mm512_setzero_ps();
+            for (int r = 0; r < qb; r++) acc[r] = _mm512_setzero_ps();
             const uint32_t *kj = kp + j * 512;
             for (int i = 0; i < 32; i++) {
                 __m512bh kv = (__m512bh)_mm512_load_si512(kj + i * 16);
-                for (int r = 0; r < QB; r++)
+                for (int r = 0; r < qb; r++)
                     acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32((int)qr[r][i]), kv);
             }
             long left = n - j * 16;
@@ -100,6 +100,14 @@ static void score_packed(const uint32_t *kp, long n, const uint16_t **qm, const 
             if (high > peak[m0 + r]) peak[m0 + r] = high;
         }
     }
+}
+
+/* score_blocks in blocks of 8 queries, or of 4 for a decode step's few (half the products went
+   to repeated queries otherwise) */
+static void score_packed(const uint32_t *kp, long n, const uint16_t **qm, const uint8_t **seen, long M,
+                         float scale, float *scores, long width, float *peak) {
+    if (M <= 4) score_blocks(kp, n, qm, seen, M, scale, scores, width, peak, 4);
+    else score_blocks(kp, n, qm, seen, M, scale, scores, width, peak, QB);
 }
 
 /* The same scores one key at a time, from keys as they lie (few queries: packing would cost more

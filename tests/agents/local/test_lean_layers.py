@@ -187,6 +187,17 @@ def test_the_rotation_kernel_is_bit_for_bit_the_rotary_embedding() -> None:
     assert not lean_layers._rotate_in_place(fused.float(), cos.float(), sin.float(), heads)
 
 
+@pytest.mark.skipif(lean_layers._library() is None, reason="no C compiler or no AVX512-BF16 here: the PyTorch ops run")
+def test_the_gate_kernel_is_silu_times_up_within_its_exps() -> None:
+    torch.manual_seed(0)
+    for rows in (1, 3000):
+        gate_up = (torch.randn(rows, 2 * 256) * 4).to(torch.bfloat16)
+        gate, up = gate_up.chunk(2, dim=-1)
+        got, want = lean_layers._gated(gate_up), nn.functional.silu(gate) * up
+        assert got.shape == want.shape and float((got == want).double().mean()) > 0.999
+        torch.testing.assert_close(got.float(), want.float(), atol=1e-30, rtol=2**-6)
+
+
 def test_switched_off_the_layers_run_pytorch_ops(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(KERNEL_ENV, "0")
     fused = torch.randn(1, 1, 3 * 64).to(torch.bfloat16)
