@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import ctypes
 from functools import cache
-from types import MethodType
 from typing import Any
 
 import torch
@@ -70,7 +69,21 @@ def make_lean(layer: nn.Module) -> None:
     for module, names in ((attn, QKV), (mlp, GATE_UP)):
         for name in names:
             delattr(module, name)
-    layer.forward = MethodType(lean_forward, layer)  # the instance's, over the class's
+    layer.__class__ = _lean_class(type(layer))
+
+
+def is_lean(layer: nn.Module) -> bool:
+    """Whether `layer` runs `lean_forward`."""
+    return getattr(type(layer), "lean", False) is True
+
+
+@cache
+def _lean_class(cls: type) -> type:
+    """`cls` with `lean_forward` as its forward. A subclass, not a method bound on each layer:
+    that would be a reference from the layer to itself, and a dropped sampler copy's layers
+    (a LoRA model folds a new one per optimizer step) would then wait for the garbage collector
+    with all their weights (a medium GRPO step peaked at 5.25 GB that way, 5.04 GB without)."""
+    return type(f"Lean{cls.__name__}", (cls,), {"forward": lean_forward, "lean": True, "__module__": __name__})
 
 
 def lean_forward(

@@ -10,7 +10,7 @@ import pytest
 import torch
 from cgym.agents.local import lean_layers
 from cgym.agents.local.kernels import KERNEL_ENV
-from cgym.agents.local.lean_layers import fits, lean_forward, sampling_model
+from cgym.agents.local.lean_layers import fits, is_lean, sampling_model
 from cgym.agents.local.packed import FusedLinear, PackedLinear, pack_linears, packable
 from cgym.agents.local.precision import DTYPE_ENV, SamplingWeights, cpu_has_bf16
 from cgym.agents.local.sampling import sample_batch
@@ -48,15 +48,15 @@ def _pair(tiny_chat_model: Path, kind: str = "qwen2") -> tuple[nn.Module, nn.Mod
 @pytest.mark.parametrize("kind", ["qwen2", "llama"])
 def test_lean_layers_replace_every_layers_projections(tiny_chat_model: Path, kind: str) -> None:
     plain, lean = _pair(tiny_chat_model, kind)
-    assert type(lean.model.layers[0]).__name__.lower().startswith(kind)
+    assert type(plain.model.layers[0]).__name__.lower().startswith(kind)
     for layer in lean.model.layers:
-        assert layer.forward.__func__ is lean_forward
+        assert is_lean(layer) and isinstance(layer, type(plain.model.layers[0]))
         assert isinstance(layer.self_attn.qkv_proj, FusedLinear) and layer.self_attn.qkv_proj.widths == [192, 64, 64]
         assert isinstance(layer.mlp.gate_up_proj, FusedLinear) and layer.mlp.gate_up_proj.widths == [256, 256]
         assert not any(hasattr(layer.self_attn, name) for name in ("q_proj", "k_proj", "v_proj"))
         assert isinstance(layer.self_attn.o_proj, PackedLinear) and isinstance(layer.mlp.down_proj, PackedLinear)
     assert not any(type(module) is nn.Linear for module in lean.modules())
-    assert all("forward" not in vars(layer) for layer in plain.model.layers)
+    assert not any(is_lean(layer) for layer in plain.model.layers)
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "llama"])
@@ -123,17 +123,33 @@ def test_the_samplers_copy_is_lean_and_its_fused_weights_follow_the_trainers(tin
         assert torch.equal(copy_(input_ids=ids).logits, fresh(input_ids=ids).logits)
 
 
+def test_a_dropped_copys_layers_go_with_it_without_the_garbage_collector(tiny_chat_model: Path) -> None:
+    """No layer refers to itself (a bound forward would): a LoRA trainer folds a new copy at every
+    optimizer step, and each old one's weights must go when it is dropped."""
+    import gc
+    import weakref
+
+    lean = sampling_model(_model(tiny_chat_model))
+    layer = weakref.ref(lean.model.layers[0])
+    gc.disable()
+    try:
+        del lean
+        assert layer() is None
+    finally:
+        gc.enable()
+
+
 def test_other_layers_keep_their_forward(tiny_chat_model: Path) -> None:
     qwen3 = _model(tiny_chat_model)
     for layer in qwen3.model.layers:
         layer.self_attn.q_norm = nn.Identity()  # a structure the lean forward does not reproduce
     assert not any(fits(layer) for layer in qwen3.model.layers)
     sampling_model(qwen3)
-    assert all("forward" not in vars(layer) for layer in qwen3.model.layers) and isinstance(qwen3.model.layers[0].self_attn.q_proj, PackedLinear)
+    assert not any(is_lean(layer) for layer in qwen3.model.layers) and isinstance(qwen3.model.layers[0].self_attn.q_proj, PackedLinear)
     other = _model(tiny_chat_model)
     other.config.model_type = "qwen2_moe"  # a family not listed
     sampling_model(other)
-    assert all("forward" not in vars(layer) for layer in other.model.layers)
+    assert not any(is_lean(layer) for layer in other.model.layers)
     fp32 = _model(tiny_chat_model).float()
     assert sampling_model(fp32) is fp32 and type(fp32.model.layers[0].self_attn.q_proj) is nn.Linear
 
