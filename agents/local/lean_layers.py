@@ -1,15 +1,16 @@
 """Llama and Qwen2 decoder layers in fewer, larger ops, for the sampler's packed bf16 copy.
 
 A decode step of a few rows is dominated by what a layer does around its arithmetic: the
-transformers layer runs ~13 module calls and ~60 small tensor ops, and on the 2-core
+transformers layer makes a dozen module calls and dozens of small tensor ops, and on the 2-core
 AVX512-BF16 machine that cost about as much as reading the weights (a 1-row step of SmolLM2
-took ~30 ms, its linear layers ~15). Here one function runs the layer: the query, key and value
+took ~33 ms, its linear layers ~15). Here one function runs the layer: the query, key and value
 projections as one packed layer, gate and up as another (`packed.FusedLinear`), and the norms,
 rotary embedding and residuals inline, each op as transformers computes it, so the outputs are
 the same bit for bit (`tests/agents/local/test_lean_layers.py`). Where the C kernels run
-(`agents.local.kernels`), each norm and the rotation of the queries and keys are one call each:
-the rotation bit for bit, the norm up to the order of its sum of squares. A 1-row decode step of
-SmolLM2 took 22.8 ms (25.6 with those as PyTorch ops, 33 through transformers' layers).
+(`agents.local.kernels`), each norm, the rotation of the queries and keys, and the gate's SiLU
+are one call each: the rotation bit for bit, the norm up to the order of its sum of squares, the
+SiLU up to its exp. A 1-row decode step of SmolLM2 took 22.8 ms (25.6 with those as PyTorch
+ops, 33 through transformers' layers).
 
 Only for inference, on layers whose structure is the Llama layer's exactly (`fits`); any other
 layer keeps its own forward. `sampling_model` prepares a bf16 copy: lean layers where they fit,

@@ -11,8 +11,12 @@ SmolLM2. Here one call does it all. The prompt's keys are packed once per sampli
 the output projection reads it, laid out (B, T, H, D).
 
 For up to `MAX_QUERIES` queries per row and kv head (one new id, or a few drafted ones, times
-the query heads of a group): above `FEW_QUERIES` a row's own keys are packed too. Built on first use (`agents.local.kernels`); None wherever it does not apply, and the
-caller keeps `kv_cache.split_attention`.
+the query heads of a group): above `FEW_QUERIES` a row's own keys are packed too. A layer of
+SmolLM2 against the split path (2 cores): 1 row over 250 prompt and 100 own keys 24 against
+111 us, 32 rows 235 against 303 us; at 100 rows with few own keys it is ~13% slower (each row
+reads the prompt's keys again, where the split path read them once for all rows). Built on first
+use (`agents.local.kernels`); None wherever it does not apply, and the caller keeps
+`kv_cache.split_attention`.
 """
 
 from __future__ import annotations
