@@ -108,10 +108,11 @@ class SamplingWeights:
     Autocast re-casts every weight at every decode step; a copy made once per optimizer step
     costs one cast of the weights, and packs its linear layers for oneDNN where the CPU takes
     it (`agents.local.packed`: a decode step of a GRPO group's rows reads each weight once, not
-    twice), Llama and Qwen2 layers in fewer ops (`agents.local.lean_layers`). Where the compute dtype is the model's own, it is the model,
-    unless it is LoRA-wrapped: a LoRA model's copy, in any dtype, has its adapters folded in, so
-    sampling runs a plain model (on the fp32 EPYC, one GRPO step's rollout of 4 x 8 ApiReport
-    episodes took 50.8 s through peft's adapter layers and 34.9 s on the folded copy).
+    twice), with Llama and Qwen2 layers in fewer ops (`agents.local.lean_layers`). Where the
+    compute dtype is the model's own, it is the model, unless it is LoRA-wrapped: a LoRA model's
+    copy, in any dtype, has its adapters folded in, so sampling runs a plain model (on the fp32
+    EPYC, one GRPO step's rollout of 4 x 8 ApiReport episodes took 50.8 s through peft's adapter
+    layers and 34.9 s on the folded copy).
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
