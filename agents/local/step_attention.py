@@ -116,48 +116,9 @@ static void score_packed(const uint32_t *kp, long n, const uint16_t **qm, const 
 
 /* The same scores one key at a time, from keys as they lie (few queries: packing would cost more
    than it saves); seen rows strided by iss */
-static inline __m512 pair_sums(__m512 a, __m512 b) { /* per 128-bit lane: a's two halves, b's, a's, b's */
-    return _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
-}
-static inline __m512 quad_sums(__m512 c, __m512 d) { /* per 128-bit lane p: that lane's part of vector p */
-    return _mm512_add_ps(_mm512_shuffle_ps(c, d, _MM_SHUFFLE(1, 0, 1, 0)), _mm512_shuffle_ps(c, d, _MM_SHUFFLE(3, 2, 3, 2)));
-}
-static inline __m512 lane_sums(__m512 x, __m512 y) { /* adds 128-bit lanes 0 + 1 and 2 + 3 of x, then of y */
-    return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
-/* Lane i of the result = the sum of v[i]'s sixteen lanes: sixteen horizontal sums in 45 shuffles
-   and adds (one `_mm512_reduce_add_ps` takes about 10) */
-static inline __m512 sums_of_16(const __m512 *v) {
-    __m512 w[4];
-    for (int i = 0; i < 4; i++)
-        w[i] = quad_sums(pair_sums(v[4 * i], v[4 * i + 1]), pair_sums(v[4 * i + 2], v[4 * i + 3]));
-    return lane_sums(lane_sums(w[0], w[1]), lane_sums(w[2], w[3]));
-}
-
 static void score_each(const uint16_t *k, long n, long kss, const uint16_t **qm, const uint8_t **seen, long iss,
                        long M, float scale, float *scores, long width, float *peak) {
-    long s = 0;
-    if (iss == 1) { /* sixteen keys at a time, their sums together */
-        const __m512 scaled = _mm512_set1_ps(scale), masked = _mm512_set1_ps(MASKED);
-        for (; s + 16 <= n; s += 16) {
-            for (long m = 0; m < M; m++) {
-                __m512bh q0 = (__m512bh)_mm512_loadu_si512(qm[m]), q1 = (__m512bh)_mm512_loadu_si512(qm[m] + 32);
-                __m512 acc[16];
-                for (int j = 0; j < 16; j++) {
-                    const uint16_t *ks = k + (s + j) * kss;
-                    acc[j] = _mm512_dpbf16_ps(_mm512_setzero_ps(), q0, (__m512bh)_mm512_loadu_si512(ks));
-                    acc[j] = _mm512_dpbf16_ps(acc[j], q1, (__m512bh)_mm512_loadu_si512(ks + 32));
-                }
-                __m128i bytes = _mm_loadu_si128((const __m128i *)(seen[m] + s));
-                __m512 x = _mm512_mask_mul_ps(masked, _mm_test_epi8_mask(bytes, bytes), sums_of_16(acc), scaled);
-                float high = _mm512_reduce_max_ps(x);
-                if (high > peak[m]) peak[m] = high;
-                _mm512_storeu_ps(scores + m * width + s, x);
-            }
-        }
-    }
-    for (; s < n; s++) {
+    for (long s = 0; s < n; s++) {
         const uint16_t *ks = k + s * kss;
         __m512bh k0 = (__m512bh)_mm512_loadu_si512(ks), k1 = (__m512bh)_mm512_loadu_si512(ks + 32);
         for (long m = 0; m < M; m++) {
