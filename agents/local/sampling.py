@@ -28,7 +28,7 @@ from cgym.agents.local.kv_cache import (
     shared_prefix,
     use_prefix_attention,
 )
-from cgym.agents.local.lookup import LOOKUP_ROWS, LOOKUP_TOKENS, PromptLookup
+from cgym.agents.local.lookup import LOOKUP_TOKENS, PromptLookup, lookup_rows
 from cgym.agents.local.pick import pick_rows
 from cgym.agents.local.target_logprobs import target_logprobs
 from cgym.agents.local.turn_cache import Reuse, TurnCache
@@ -351,7 +351,7 @@ def _decode(
             active, tok, next_pos, mask = active[keep], tok[keep], next_pos[keep], mask[keep]
             cache.batch_select_indices(keep)
         drafts = None
-        if lookup is not None and len(active) <= LOOKUP_ROWS:
+        if lookup is not None and len(active) <= lookup_rows(params.temperature):
             drafts = lookup.propose({row: out.ids[row, : out.count[row]].tolist() for row in active.tolist()})
         fed = tok[:, None] if drafts is None else torch.cat([tok[:, None], drafts.to(device)], 1)  # (b, n)
         n = fed.shape[1]

@@ -1,8 +1,10 @@
-"""PromptLookup: which ids it drafts from a row's prompt and emitted ids."""
+"""PromptLookup: which ids it drafts from a row's prompt and emitted ids, and from how many live rows."""
 
 from __future__ import annotations
 
-from cgym.agents.local.lookup import PromptLookup
+import pytest
+import torch
+from cgym.agents.local.lookup import PromptLookup, lookup_rows
 
 
 def test_drafts_follow_the_latest_earlier_match_in_the_prompt() -> None:
@@ -23,3 +25,24 @@ def test_short_drafts_are_padded_and_rows_keep_their_own_context() -> None:
     lookup = PromptLookup([[1, 2, 3, 1, 2], [7, 8, 9]], tokens=4)
     drafts = lookup.propose({0: [], 1: []})
     assert drafts is not None and drafts.tolist() == [[3, 1, 2, 0], [0, 0, 0, 0]]  # row 1: nothing to draft
+
+
+def test_greedy_turns_draft_with_more_rows_live_than_sampled_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    """12 live rows: a greedy batch drafts (its drafts are mostly kept), a sampled one does not."""
+    from cgym.agents.local.sampling import sample_batch
+    from cgym.agents.options import SamplingOptions
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    assert lookup_rows(1.0) < 12 <= lookup_rows(0.0)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(
+        LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+    ).eval()
+    asked: list[int] = []
+    real = PromptLookup.propose
+    monkeypatch.setattr(PromptLookup, "propose", lambda self, emitted: asked.append(len(emitted)) or real(self, emitted))
+    prompts = [[1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5 + row] for row in range(12)]
+    for temperature, drafts in ((0.0, True), (1.0, False)):
+        asked.clear()
+        sample_batch(model, prompts, params=SamplingOptions(temperature=temperature, max_new_tokens=6, seed=0), stop_ids=set(), pad_id=0, draft_tokens=4)
+        assert bool(asked) == drafts and (not asked or asked[0] == 12)  # from the first step, all 12 live
