@@ -111,17 +111,10 @@ def test_split_attention_with_the_kernel_matches_the_flash_path(batch: int, q_le
     assert (with_kernel.double() - ref).abs().max() <= (flash.double() - ref).abs().max() + 1e-6
 
 
-@pytest.mark.parametrize(
-    "case",
-    ["float32", "many_queries", "head_dim", "gradients", "switched_off", "no_keys"],
-)
-def test_no_kernel_where_it_does_not_apply(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    q, k, v, visible = _inputs(2, 3, 1, 8)
+def _spoiled(case: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, monkeypatch: pytest.MonkeyPatch) -> tuple[torch.Tensor, ...]:
+    """Inputs changed as `case` says, for the cases no kernel takes (others come back as given)."""
     if case == "float32":
         q, k, v = q.float(), k.float(), v.float()
-    elif case == "many_queries":  # a prefill
-        q = torch.randn(2, 3, 64, 64).to(torch.bfloat16)
-        visible = torch.ones(2, 64, 8, dtype=torch.bool)
     elif case == "head_dim":
         q, k, v = q[..., :32].contiguous(), k[..., :32].contiguous(), v[..., :32].contiguous()
     elif case == "gradients":
@@ -130,6 +123,18 @@ def test_no_kernel_where_it_does_not_apply(case: str, monkeypatch: pytest.Monkey
         monkeypatch.setenv(KERNEL_ENV, "0")
     elif case == "no_keys":
         k, v, visible = k[:, :, :0], v[:, :, :0], visible[:, :, :0]
+    return q, k, v, visible
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["float32", "many_queries", "head_dim", "gradients", "switched_off", "no_keys"],
+)
+def test_no_kernel_where_it_does_not_apply(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    q, k, v, visible = _spoiled(case, *_inputs(2, 3, 1, 8), monkeypatch)
+    if case == "many_queries":  # a prefill
+        q = torch.randn(2, 3, 64, 64).to(torch.bfloat16)
+        visible = torch.ones(2, 64, 8, dtype=torch.bool)
     assert own_attention(q, k, v, visible, 0.125) is None
 
 
@@ -287,18 +292,8 @@ def test_split_attention_with_a_bf16_prefix_is_closer_to_fp64_than_flash(batch: 
 
 @pytest.mark.parametrize("case", ["float32", "head_dim", "gradients", "switched_off", "no_keys", "key_rows", "no_queries"])
 def test_no_block_kernel_where_it_does_not_apply(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    q, k, v, visible = _inputs(2, 24, 8, 8)
-    if case == "float32":
-        q, k, v = q.float(), k.float(), v.float()
-    elif case == "head_dim":
-        q, k, v = q[..., :32].contiguous(), k[..., :32].contiguous(), v[..., :32].contiguous()
-    elif case == "gradients":
-        q.requires_grad_(True)
-    elif case == "switched_off":
-        monkeypatch.setenv(KERNEL_ENV, "0")
-    elif case == "no_keys":
-        k, v, visible = k[:, :, :0], v[:, :, :0], visible[:, :, :0]
-    elif case == "key_rows":  # neither one shared copy nor one per row
+    q, k, v, visible = _spoiled(case, *_inputs(2, 24, 8, 8), monkeypatch)
+    if case == "key_rows":  # neither one shared copy nor one per row
         k, v = torch.cat([k, k[:1]]), torch.cat([v, v[:1]])
     elif case == "no_queries":
         q = q[:, :, :0]
