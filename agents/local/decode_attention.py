@@ -32,7 +32,7 @@ import torch
 from cgym.agents.local.kernels import C_HEADER, KERNEL_ENV, compiled, enabled
 from torch import Tensor
 
-__all__ = ["FEW_QUERIES", "HEAD_DIM", "KERNEL_ENV", "MAX_QUERIES", "available", "block_attention", "enabled", "own_attention"]
+__all__ = ["ATTENTION_C", "FEW_QUERIES", "HEAD_DIM", "KERNEL_ENV", "MAX_QUERIES", "available", "block_attention", "enabled", "own_attention"]
 MAX_QUERIES = 16  # per row and kv head (query heads per kv head x new ids): decode steps and drafts
 # Up to this many queries per row and kv head `own_attention` is the faster kernel, above it
 # `block_attention` (2 cores, 8-100 rows over 220-300 keys: 3 queries 0.57 against 0.87 ms,
@@ -40,11 +40,183 @@ MAX_QUERIES = 16  # per row and kv head (query heads per kv head x new ids): dec
 FEW_QUERIES = 4
 HEAD_DIM = 64  # the kernel's head size (SmolLM2, Qwen2.5-0.5B, Llama-3.2-1B); others keep flash
 
-_SOURCE = C_HEADER + r"""
+# The attention kernels' shared C: packing keys and values, scoring queries against them (many at
+# a time against packed keys, or one key at a time), the softmax weights, and weighing the values.
+ATTENTION_C = r"""
 #define D 64
 #define MASKED (-1e30f)
+#define QB 8
 
+/* n keys sixteen to a vector: kp gets blocks x 32 x 16 dwords, lane = key, one pair of
+   dimensions per vector (zero past n) */
+static void pack_keys(const uint16_t *k, long n, long kss, uint32_t *kp) {
+    long blocks = (n + 15) / 16;
+    memset(kp, 0, sizeof(uint32_t) * blocks * 512);
+    for (long s = 0; s < n; s++) {
+        const uint32_t *ks = (const uint32_t *)(k + s * kss);
+        uint32_t *dst = kp + (s / 16) * 512 + (s % 16);
+        for (int i = 0; i < 32; i++) dst[i * 16] = ks[i];
+    }
+}
 
+/* n value rows widened to fp32: vf gets a width x D block (zero past n) */
+static void widen_values(const uint16_t *v, long n, long vss, long width, float *vf) {
+    memset(vf + n * D, 0, sizeof(float) * (width - n) * D);
+    for (long s = 0; s < n; s++) {
+        const uint16_t *vs = v + s * vss;
+        for (int c = 0; c < 4; c++) {
+            __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vs + 16 * c)));
+            _mm512_storeu_ps(vf + s * D + 16 * c, _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)));
+        }
+    }
+}
+
+/* scores[m][s] = (q_m . key s) * scale for n packed keys, in blocks of qb <= QB queries; MASKED
+   past n and where seen[m] (a row of n visibility bytes, or NULL: every key) says 0. peak[m]
+   rises to the largest. Inlined with qb a constant, so each block size gets its own loops. */
+static inline __attribute__((always_inline)) void score_blocks(const uint32_t *kp, long n, const uint16_t **qm, const uint8_t **seen, long M,
+                         float scale, float *scores, long width, float *peak, const int qb) {
+    long blocks = (n + 15) / 16;
+    const __m512 scaled = _mm512_set1_ps(scale), masked = _mm512_set1_ps(MASKED);
+    for (long m0 = 0; m0 < M; m0 += qb) {
+        long rows = M - m0 < qb ? M - m0 : qb;
+        const uint32_t *qr[QB];
+        __m512 top[QB];
+        for (int r = 0; r < qb; r++) { /* a short last block repeats its last query */
+            qr[r] = (const uint32_t *)qm[m0 + (r < rows ? r : rows - 1)];
+            top[r] = masked;
+        }
+        for (long j = 0; j < blocks; j++) {
+            __m512 acc[QB];
+            for (int r = 0; r < qb; r++) acc[r] = _mm512_setzero_ps();
+            const uint32_t *kj = kp + j * 512;
+            for (int i = 0; i < 32; i++) {
+                __m512bh kv = (__m512bh)_mm512_load_si512(kj + i * 16);
+                for (int r = 0; r < qb; r++)
+                    acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32((int)qr[r][i]), kv);
+            }
+            long left = n - j * 16;
+            __mmask16 inside = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+            for (int r = 0; r < rows; r++) {
+                __mmask16 live = inside;
+                if (seen) {
+                    const uint8_t *row = seen[m0 + r] + j * 16;
+                    __m128i bytes = left >= 16 ? _mm_loadu_si128((const __m128i *)row) : _mm_maskz_loadu_epi8(inside, row);
+                    live &= _mm_test_epi8_mask(bytes, bytes);
+                }
+                __m512 x = _mm512_mask_mul_ps(masked, live, acc[r], scaled);
+                top[r] = _mm512_max_ps(top[r], x);
+                _mm512_store_ps(scores + (m0 + r) * width + j * 16, x);
+            }
+        }
+        for (int r = 0; r < rows; r++) {
+            float high = _mm512_reduce_max_ps(top[r]);
+            if (high > peak[m0 + r]) peak[m0 + r] = high;
+        }
+    }
+}
+
+/* score_blocks in blocks of 8 queries, or of 4 for a decode step's few (half the products went
+   to repeated queries otherwise) */
+static void score_packed(const uint32_t *kp, long n, const uint16_t **qm, const uint8_t **seen, long M,
+                         float scale, float *scores, long width, float *peak) {
+    if (M <= 4) score_blocks(kp, n, qm, seen, M, scale, scores, width, peak, 4);
+    else score_blocks(kp, n, qm, seen, M, scale, scores, width, peak, QB);
+}
+
+/* The same scores one key at a time, from keys as they lie (few queries: packing would cost more
+   than it saves); seen rows strided by iss */
+static void score_each(const uint16_t *k, long n, long kss, const uint16_t **qm, const uint8_t **seen, long iss,
+                       long M, float scale, float *scores, long width, float *peak) {
+    for (long s = 0; s < n; s++) {
+        const uint16_t *ks = k + s * kss;
+        __m512bh k0 = (__m512bh)_mm512_loadu_si512(ks), k1 = (__m512bh)_mm512_loadu_si512(ks + 32);
+        for (long m = 0; m < M; m++) {
+            float score = MASKED;
+            if (seen[m][s * iss]) {
+                __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(qm[m]), k0);
+                acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(qm[m] + 32), k1);
+                score = _mm512_reduce_add_ps(acc) * scale;
+                if (score > peak[m]) peak[m] = score;
+            }
+            scores[m * width + s] = score;
+        }
+    }
+    for (long m = 0; m < M; m++)
+        for (long s = n; s < width; s++) scores[m * width + s] = MASKED;
+}
+
+/* scores -> exp(score - peak[m]) in place (0 where masked); adds each row's sum to total[m] */
+static void weigh(float *scores, long width, long M, const float *peak, float *total) {
+    const __m512 masked = _mm512_set1_ps(MASKED);
+    for (long m = 0; m < M; m++) {
+        float *row = scores + m * width;
+        __m512 top = _mm512_set1_ps(peak[m]), sum = _mm512_setzero_ps();
+        for (long s = 0; s < width; s += 16) {
+            __m512 x = _mm512_load_ps(row + s);
+            __mmask16 live = _mm512_cmp_ps_mask(x, masked, _CMP_GT_OQ);
+            __m512 w = _mm512_maskz_mov_ps(live, exp_neg(_mm512_sub_ps(x, top)));
+            _mm512_store_ps(row + s, w);
+            sum = _mm512_add_ps(sum, w);
+        }
+        total[m] += _mm512_reduce_add_ps(sum);
+    }
+}
+
+/* acc[m] += sum over s < n of w[m][s] * vf[s] (fp32 value rows) */
+static void add_values(const float *vf, long n, const float *w, long width, long M, __m512 acc[16][4]) {
+    for (long s = 0; s < n; s++) {
+        const float *vs = vf + s * D;
+        __m512 v0 = _mm512_loadu_ps(vs), v1 = _mm512_loadu_ps(vs + 16), v2 = _mm512_loadu_ps(vs + 32), v3 = _mm512_loadu_ps(vs + 48);
+        for (long m = 0; m < M; m++) {
+            float x = w[m * width + s];
+            if (x == 0.0f) continue;
+            __m512 ww = _mm512_set1_ps(x);
+            acc[m][0] = _mm512_fmadd_ps(ww, v0, acc[m][0]);
+            acc[m][1] = _mm512_fmadd_ps(ww, v1, acc[m][1]);
+            acc[m][2] = _mm512_fmadd_ps(ww, v2, acc[m][2]);
+            acc[m][3] = _mm512_fmadd_ps(ww, v3, acc[m][3]);
+        }
+    }
+}
+
+/* The same from bf16 value rows read as pairs: even elements land in acc[m][0] and [2], odd ones
+   in [1] and [3] (`interleave` puts them back in order) */
+static void add_pairs(const uint16_t *v, long n, long vss, const float *w, long width, long M, __m512 acc[16][4]) {
+    for (long s = 0; s < n; s++) {
+        const uint16_t *vs = v + s * vss;
+        __m512i v0 = _mm512_loadu_si512(vs), v1 = _mm512_loadu_si512(vs + 32);
+        __m512 r0 = bf16_lo(v0), r1 = bf16_hi(v0), r2 = bf16_lo(v1), r3 = bf16_hi(v1);
+        for (long m = 0; m < M; m++) {
+            float x = w[m * width + s];
+            if (x == 0.0f) continue;
+            __m512 ww = _mm512_set1_ps(x);
+            acc[m][0] = _mm512_fmadd_ps(ww, r0, acc[m][0]);
+            acc[m][1] = _mm512_fmadd_ps(ww, r1, acc[m][1]);
+            acc[m][2] = _mm512_fmadd_ps(ww, r2, acc[m][2]);
+            acc[m][3] = _mm512_fmadd_ps(ww, r3, acc[m][3]);
+        }
+    }
+}
+
+static void interleave(__m512 acc[4], float *row) {
+    float even[16], odd[16];
+    for (int half = 0; half < 2; half++) {
+        _mm512_storeu_ps(even, acc[2 * half]);
+        _mm512_storeu_ps(odd, acc[2 * half + 1]);
+        for (int i = 0; i < 16; i++) {
+            row[32 * half + 2 * i] = even[i];
+            row[32 * half + 2 * i + 1] = odd[i];
+        }
+    }
+}
+
+"""
+
+_SOURCE = (
+    C_HEADER
+    + ATTENTION_C
+    + r"""
 /* out[b, h, m, :] = softmax over the visible s of (q[b, h, m] . k[b, h, s]) * scale, times v;
    lse[b, h, m] = log of that softmax's denominator (-inf, and out 0, where no key is visible).
    Query m reads visibility row m % qlen. Strides in elements; the last dimension is contiguous. */
@@ -58,74 +230,26 @@ void own_attention(const uint16_t *q, const uint16_t *k, const uint16_t *v, cons
         for (long h = 0; h < H; h++) {
             long width = (S + 15) & ~15L;
             float *scores = aligned_alloc(64, sizeof(float) * M * width);
-            float *o = out + (b * H + h) * M * D;
-            __m512bh qv[16][2];
-            float peak[16], total[16];
+            const uint16_t *qm[16];
+            const uint8_t *seen[16];
+            float peak[16], total[16], row[D];
             for (long m = 0; m < M; m++) {
-                const uint16_t *qm = q + b * qsb + h * qsh + m * qsm;
-                qv[m][0] = (__m512bh)_mm512_loadu_si512(qm);
-                qv[m][1] = (__m512bh)_mm512_loadu_si512(qm + 32);
+                qm[m] = q + b * qsb + h * qsh + m * qsm;
+                seen[m] = visible + b * isb + (m % qlen) * isq;
                 peak[m] = MASKED;
+                total[m] = 0.0f;
             }
-            for (long s = 0; s < S; s++) {
-                const uint16_t *ks = k + b * ksb + h * ksh + s * kss;
-                __m512bh k0 = (__m512bh)_mm512_loadu_si512(ks), k1 = (__m512bh)_mm512_loadu_si512(ks + 32);
-                for (long m = 0; m < M; m++) {
-                    float score = MASKED;
-                    if (visible[b * isb + (m % qlen) * isq + s * iss]) {
-                        __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[m][0], k0);
-                        acc = _mm512_dpbf16_ps(acc, qv[m][1], k1);
-                        score = _mm512_reduce_add_ps(acc) * scale;
-                        if (score > peak[m]) peak[m] = score;
-                    }
-                    scores[m * width + s] = score;
-                }
-            }
-            for (long m = 0; m < M; m++) {
-                float *row = scores + m * width;
-                for (long s = S; s < width; s++) row[s] = MASKED;
-                __m512 top = _mm512_set1_ps(peak[m]), sum = _mm512_setzero_ps();
-                for (long s = 0; s < width; s += 16) {
-                    __m512 x = _mm512_load_ps(row + s);
-                    __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(MASKED), _CMP_GT_OQ);
-                    __m512 w = _mm512_maskz_mov_ps(live, exp_neg(_mm512_sub_ps(x, top)));
-                    _mm512_store_ps(row + s, w);
-                    sum = _mm512_add_ps(sum, w);
-                }
-                total[m] = _mm512_reduce_add_ps(sum);
-                lse[(b * H + h) * M + m] = peak[m] == MASKED ? -INFINITY : peak[m] + logf(total[m]);
-            }
+            score_each(k + b * ksb + h * ksh, S, kss, qm, seen, iss, M, scale, scores, width, peak);
+            weigh(scores, width, M, peak, total);
             __m512 acc[16][4];
             for (long m = 0; m < M; m++)
-                for (int j = 0; j < 4; j++) acc[m][j] = _mm512_setzero_ps();
-            for (long s = 0; s < S; s++) {
-                const uint16_t *vs = v + b * vsb + h * vsh + s * vss;
-                /* v[0..31] as pairs: even elements in bf16_lo, odd in bf16_hi; kept in that order and
-                   interleaved once at the end */
-                __m512i v0 = _mm512_loadu_si512(vs), v1 = _mm512_loadu_si512(vs + 32);
-                __m512 r0 = bf16_lo(v0), r1 = bf16_hi(v0), r2 = bf16_lo(v1), r3 = bf16_hi(v1);
-                for (long m = 0; m < M; m++) {
-                    float w = scores[m * width + s];
-                    if (w == 0.0f) continue;
-                    __m512 ww = _mm512_set1_ps(w);
-                    acc[m][0] = _mm512_fmadd_ps(ww, r0, acc[m][0]);
-                    acc[m][1] = _mm512_fmadd_ps(ww, r1, acc[m][1]);
-                    acc[m][2] = _mm512_fmadd_ps(ww, r2, acc[m][2]);
-                    acc[m][3] = _mm512_fmadd_ps(ww, r3, acc[m][3]);
-                }
-            }
+                for (int c = 0; c < 4; c++) acc[m][c] = _mm512_setzero_ps();
+            add_pairs(v + b * vsb + h * vsh, S, vss, scores, width, M, acc);
             for (long m = 0; m < M; m++) {
-                float even[16], odd[16];
-                float inv = peak[m] == MASKED ? 0.0f : 1.0f / total[m];
-                float *om = o + m * D;
-                for (int half = 0; half < 2; half++) {
-                    _mm512_storeu_ps(even, _mm512_mul_ps(acc[m][2 * half], _mm512_set1_ps(inv)));
-                    _mm512_storeu_ps(odd, _mm512_mul_ps(acc[m][2 * half + 1], _mm512_set1_ps(inv)));
-                    for (int i = 0; i < 16; i++) {
-                        om[32 * half + 2 * i] = even[i];
-                        om[32 * half + 2 * i + 1] = odd[i];
-                    }
-                }
+                lse[(b * H + h) * M + m] = peak[m] == MASKED ? -INFINITY : peak[m] + logf(total[m]);
+                __m512 inv = _mm512_set1_ps(peak[m] == MASKED ? 0.0f : 1.0f / total[m]);
+                interleave(acc[m], row);
+                for (int c = 0; c < 4; c++) _mm512_storeu_ps(out + ((b * H + h) * M + m) * D + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(row + 16 * c), inv));
             }
             free(scores);
         }
@@ -134,12 +258,9 @@ void own_attention(const uint16_t *q, const uint16_t *k, const uint16_t *v, cons
 
 /* The same attention for many queries per (row, head): a prefill's, or every row's queries
    against a shared prefix (ksb = vsb = isb = 0: one copy of the keys for every row; visible may be
-   NULL, every key seen). A thread packs its (row, head)'s keys sixteen to a vector, lane = key,
-   one pair of dimensions per vector, so one query's scores against sixteen keys come out of 32
-   vdpbf16ps with no horizontal sums, each packed vector serving a block of QB queries. The
-   values are widened to fp32 once, and the softmax weights stay fp32. Visibility rows must be
-   contiguous (iss = 1). */
-#define QB 8
+   NULL, every key seen). A thread packs its (row, head)'s keys sixteen to a vector (`pack_keys`),
+   each packed vector serving a block of QB queries; the values are widened to fp32 once, and the
+   softmax weights stay fp32. Visibility rows must be contiguous (iss = 1). */
 #define PB 4
 void block_attention(const uint16_t *q, const uint16_t *k, const uint16_t *v, const uint8_t *visible,
                      float *out, float *lse, long B, long H, long M, long S, long qlen,
@@ -159,73 +280,25 @@ void block_attention(const uint16_t *q, const uint16_t *k, const uint16_t *v, co
             long rows = M - m0 < QB ? M - m0 : QB;
             const uint16_t *kb = k + b * ksb + h * ksh, *vb = v + b * vsb + h * vsh;
             if (kb != packed_k || vb != packed_v) { /* this thread's first block of a (row, head) */
-                memset(kp, 0, sizeof(uint32_t) * blocks * 32 * 16);
-                for (long s = 0; s < S; s++) {
-                    const uint32_t *ks = (const uint32_t *)(kb + s * kss);
-                    uint32_t *dst = kp + (s / 16) * 512 + (s % 16);
-                    for (int i = 0; i < 32; i++) dst[i * 16] = ks[i];
-                }
-                memset(vf + S * D, 0, sizeof(float) * (width - S) * D);
-                for (long s = 0; s < S; s++) {
-                    const uint16_t *vs = vb + s * vss;
-                    __m512i wide0 = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)vs));
-                    __m512i wide1 = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vs + 16)));
-                    __m512i wide2 = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vs + 32)));
-                    __m512i wide3 = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vs + 48)));
-                    _mm512_store_ps(vf + s * D, _mm512_castsi512_ps(_mm512_slli_epi32(wide0, 16)));
-                    _mm512_store_ps(vf + s * D + 16, _mm512_castsi512_ps(_mm512_slli_epi32(wide1, 16)));
-                    _mm512_store_ps(vf + s * D + 32, _mm512_castsi512_ps(_mm512_slli_epi32(wide2, 16)));
-                    _mm512_store_ps(vf + s * D + 48, _mm512_castsi512_ps(_mm512_slli_epi32(wide3, 16)));
-                }
+                pack_keys(kb, S, kss, kp);
+                widen_values(vb, S, vss, width, vf);
                 packed_k = kb;
                 packed_v = vb;
             }
-            const uint32_t *qr[QB];
-            for (int r = 0; r < QB; r++) /* a short last block repeats its last query */
-                qr[r] = (const uint32_t *)(q + b * qsb + h * qsh + (m0 + (r < rows ? r : rows - 1)) * qsm);
-            __m512 top[QB];
-            for (int r = 0; r < QB; r++) top[r] = _mm512_set1_ps(MASKED);
-            const __m512 scaled = _mm512_set1_ps(scale), masked = _mm512_set1_ps(MASKED);
-            for (long j = 0; j < blocks; j++) {
-                __m512 acc[QB];
-                for (int r = 0; r < QB; r++) acc[r] = _mm512_setzero_ps();
-                const uint32_t *kj = kp + j * 512;
-                for (int i = 0; i < 32; i++) {
-                    __m512bh kv = (__m512bh)_mm512_load_si512(kj + i * 16);
-                    for (int r = 0; r < QB; r++)
-                        acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32((int)qr[r][i]), kv);
-                }
-                long left = S - j * 16;
-                __mmask16 inside = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
-                for (int r = 0; r < QB; r++) {
-                    __mmask16 seen = inside;
-                    if (visible) {
-                        const uint8_t *row = visible + b * isb + ((m0 + (r < rows ? r : rows - 1)) % qlen) * isq + j * 16;
-                        __m128i bytes = left >= 16 ? _mm_loadu_si128((const __m128i *)row) : _mm_maskz_loadu_epi8(inside, row);
-                        seen &= _mm_test_epi8_mask(bytes, bytes);
-                    }
-                    __m512 x = _mm512_mask_mul_ps(masked, seen, acc[r], scaled);
-                    top[r] = _mm512_max_ps(top[r], x);
-                    _mm512_store_ps(scores + r * width + j * 16, x);
-                }
-            }
-            float inv[QB];
+            const uint16_t *qm[QB];
+            const uint8_t *seen[QB];
+            float peak[QB], total[QB];
             for (int r = 0; r < rows; r++) {
-                float peak = _mm512_reduce_max_ps(top[r]);
-                float *row = scores + r * width;
-                __m512 sum = _mm512_setzero_ps(), high = _mm512_set1_ps(peak);
-                for (long s = 0; s < width; s += 16) {
-                    __m512 x = _mm512_load_ps(row + s);
-                    __mmask16 live = _mm512_cmp_ps_mask(x, masked, _CMP_GT_OQ);
-                    __m512 w = _mm512_maskz_mov_ps(live, exp_neg(_mm512_sub_ps(x, high)));
-                    _mm512_store_ps(row + s, w);
-                    sum = _mm512_add_ps(sum, w);
-                }
-                float total = _mm512_reduce_add_ps(sum);
-                lse[(b * H + h) * M + m0 + r] = peak == MASKED ? -INFINITY : peak + logf(total);
-                inv[r] = peak == MASKED ? 0.0f : 1.0f / total;
+                qm[r] = q + b * qsb + h * qsh + (m0 + r) * qsm;
+                seen[r] = visible ? visible + b * isb + ((m0 + r) % qlen) * isq : NULL;
+                peak[r] = MASKED;
+                total[r] = 0.0f;
             }
-            for (int r0 = 0; r0 < rows; r0 += PB) {
+            score_packed(kp, S, qm, visible ? seen : NULL, rows, scale, scores, width, peak);
+            weigh(scores, width, rows, peak, total);
+            for (int r = 0; r < rows; r++)
+                lse[(b * H + h) * M + m0 + r] = peak[r] == MASKED ? -INFINITY : peak[r] + logf(total[r]);
+            for (int r0 = 0; r0 < rows; r0 += PB) { /* PB queries' accumulators stay in registers */
                 __m512 acc[PB][4];
                 for (int r = 0; r < PB; r++)
                     for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_ps();
@@ -242,9 +315,8 @@ void block_attention(const uint16_t *q, const uint16_t *k, const uint16_t *v, co
                     }
                 }
                 for (int r = 0; r < PB && r0 + r < rows; r++) {
-                    float *o = out + ((b * H + h) * M + m0 + r0 + r) * D;
-                    __m512 f = _mm512_set1_ps(inv[r0 + r]);
-                    for (int c = 0; c < 4; c++) _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(acc[r][c], f));
+                    __m512 inv = _mm512_set1_ps(peak[r0 + r] == MASKED ? 0.0f : 1.0f / total[r0 + r]);
+                    for (int c = 0; c < 4; c++) _mm512_storeu_ps(out + ((b * H + h) * M + m0 + r0 + r) * D + 16 * c, _mm512_mul_ps(acc[r][c], inv));
                 }
             }
         }
@@ -254,6 +326,7 @@ void block_attention(const uint16_t *q, const uint16_t *k, const uint16_t *v, co
     }
 }
 """
+)
 
 
 @cache
