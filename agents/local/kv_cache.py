@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
+from cgym.agents.local.attention_backward import attention_backward
 from cgym.agents.local.decode_attention import FEW_QUERIES, HEAD_DIM, block_attention, own_attention
 from cgym.agents.local.decode_attention import available as kernel_available
 from cgym.agents.local.step_attention import PackedPrefix, pack_prefix, step_attention
@@ -403,6 +404,12 @@ class _FlashBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         query, key, value, visible, out, lse = ctx.saved_tensors
+        batch, heads, q_len, dim = query.shape
+        by_kv = (batch, key.shape[1], heads // key.shape[1] * q_len, dim)
+        got = attention_backward(query.reshape(by_kv), key, value, grad.reshape(by_kv), out.reshape(by_kv), lse.reshape(by_kv[:3]), visible, ctx.scale)
+        if got is not None:  # bf16 products in C (`attention_backward`)
+            dq, dk, dv = got
+            return dq.view(query.shape).to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), None, None, None, None
         bias = torch.zeros((visible.shape[0], 1, *visible.shape[1:]), dtype=torch.float32).masked_fill_(~visible[:, None], float("-inf"))
         lse = lse.masked_fill(torch.isinf(lse), 0.0)  # a query that sees no key: every weight exp(-inf - 0) = 0
         dq, dk, dv = _FLASH_CPU_BACKWARD(grad.float().contiguous(), query.float(), key.float(), value.float(), out, lse, 0.0, False, attn_mask=bias, scale=ctx.scale)

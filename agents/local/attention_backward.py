@@ -1,0 +1,311 @@
+"""The backward pass of the training pass's attention, in one C kernel with bf16 dot products.
+
+The GRPO update's attention runs forward in `decode_attention.block_attention` and went back
+through PyTorch's CPU flash kernel, in fp32 on fp32 copies of the bf16 queries, keys and
+values, with the visibility given as an additive mask: it computed every masked-out product (half
+of a row's causal part) and was the update's largest cost after the matmuls (5.8 of 33 s on the
+2-core AVX512-BF16 machine, `benchmarks/RESULTS.md`).
+
+Here each of the five products of the backward pass (scores, the gradient's product with the
+values, and the gradients of queries, keys and values) is taken with AVX512-BF16's `vdpbf16ps`,
+bf16 pairs multiplied exactly and summed in fp32, as FlashAttention's GPU kernels round the
+softmax weights and their gradients to bf16 before the last three products. Sixteen keys a
+block, blocks a query block sees none of are skipped. Two passes per kv head:
+
+1. query blocks over key blocks: the scores again (bit for bit the forward kernel's), the
+   weights `p = exp(score - lse)`, `dp = dO . v`, `ds = p (dp - delta)` with
+   `delta = dO . O`; the query gradient `scale * sum_s ds k_s`; `p` and `ds` kept, transposed.
+2. key blocks over query pairs: `dV = sum_m p dO_m` and `dK = scale * sum_m ds q_m`, their
+   accumulators in registers.
+
+It answers None where the kernels do not run (`kernels.compiled`, `CGYM_DECODE_KERNEL=0`, another
+head size); the caller keeps the flash kernel.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from functools import cache
+
+import torch
+from cgym.agents.local.decode_attention import ATTENTION_C, HEAD_DIM
+from cgym.agents.local.kernels import C_HEADER, compiled, enabled
+from torch import Tensor
+
+_SOURCE = (
+    C_HEADER
+    + ATTENTION_C
+    + r"""
+#define BQ 4 /* queries a block in the first pass */
+#define BK 4 /* keys a block in the second pass */
+
+/* n rows of D bf16 as pairs of rows: out[i * D + d] = row 2i's element d | row 2i+1's << 16
+   (zero past n), for `rows` rows */
+static void pair_rows(const uint16_t *x, long n, long rows, uint32_t *out) {
+    for (long i = 0; i < rows / 2; i++)
+        for (int c = 0; c < 4; c++) {
+            __m512i lo = 2 * i < n ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + 2 * i * D + 16 * c))) : _mm512_setzero_si512();
+            __m512i hi = 2 * i + 1 < n ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + (2 * i + 1) * D + 16 * c))) : _mm512_setzero_si512();
+            _mm512_store_si512(out + i * D + 16 * c, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+        }
+}
+
+/* Four queries' bf16 values for sixteen keys (x[r] lane t: query r, key t) written transposed as
+   pairs of queries: key t's (q0 | q1 << 16, q2 | q3 << 16) at out + t * stride */
+static inline void store_pairs(const __m256i x[4], uint32_t *out, long stride) {
+    __m256i a = _mm256_unpacklo_epi16(x[0], x[1]), b = _mm256_unpackhi_epi16(x[0], x[1]);
+    __m256i c = _mm256_unpacklo_epi16(x[2], x[3]), d = _mm256_unpackhi_epi16(x[2], x[3]);
+    __m256i keys[4] = {_mm256_unpacklo_epi32(a, c), _mm256_unpackhi_epi32(a, c), _mm256_unpacklo_epi32(b, d), _mm256_unpackhi_epi32(b, d)};
+    for (int g = 0; g < 4; g++) { /* keys 2g, 2g + 1 in the low lane, 8 + 2g, 9 + 2g in the high */
+        __m128i lo = _mm256_castsi256_si128(keys[g]), hi = _mm256_extracti128_si256(keys[g], 1);
+        _mm_storel_epi64((__m128i *)(out + (2 * g) * stride), lo);
+        _mm_storeh_pd((double *)(out + (2 * g + 1) * stride), _mm_castsi128_pd(lo));
+        _mm_storel_epi64((__m128i *)(out + (8 + 2 * g) * stride), hi);
+        _mm_storeh_pd((double *)(out + (9 + 2 * g) * stride), _mm_castsi128_pd(hi));
+    }
+}
+
+#define QC 256 /* queries a chunk at most: p and ds are kept for one chunk at a time */
+
+typedef struct {
+    long blocks, sp, mp, qblocks, half, qc, unit;
+} plan_t;
+
+/* Sizes in u32: a unit's packed keys and values, key pairs, query and dO pairs, delta and the
+   seen-block flags, then (for qc queries) its kept p and ds */
+static plan_t plan(long M, long S, long qc) {
+    plan_t p;
+    p.blocks = (S + 15) / 16;
+    p.sp = p.blocks * 16;
+    p.mp = (M + BQ - 1) / BQ * BQ;
+    p.qblocks = p.mp / BQ;
+    p.half = p.mp / 2;
+    p.qc = qc;
+    p.unit = (2 * p.blocks * 512 + p.sp / 2 * D + 2 * p.half * D + (p.mp + 15) / 16 * 16 + (p.qblocks * p.blocks + 63) / 64 * 16 + p.sp * qc + 15) / 16 * 16;
+    return p;
+}
+
+/* The workspace (u32) `attention_backward` needs for B x H units of M queries over S keys */
+long attention_backward_workspace(long B, long H, long M, long S) {
+    long mp = (M + BQ - 1) / BQ * BQ;
+    return B * H * plan(M, S, mp < QC ? mp : QC).unit;
+}
+
+/* Gradients of softmax attention (B x H units of M contiguous bf16 queries over S keys and
+   values, D = 64) from the output's gradient dout (bf16), the forward's fp32 outputs and
+   log-sum-exps; query m of a unit reads visibility row m % qlen of its batch row ((B, qlen, S)
+   bytes). dq (B, H, M, D), dk and dv (B, H, S, D) are written in fp32. `work` holds
+   `attention_backward_workspace` u32s, 64-byte aligned. */
+void attention_backward(const uint16_t *q, const uint16_t *k, const uint16_t *v, const uint16_t *dout,
+                        const float *out, const float *lse, const uint8_t *visible,
+                        float *dq, float *dk, float *dv, long B, long H, long M, long S, long qlen,
+                        float scale, uint32_t *work, int threads) {
+    long units = B * H, mp0 = (M + BQ - 1) / BQ * BQ;
+    plan_t pl = plan(M, S, mp0 < QC ? mp0 : QC);
+    long blocks = pl.blocks, sp = pl.sp, qblocks = pl.qblocks, half = pl.half, qc = pl.qc, kblocks = sp / BK;
+#define UNIT(n) (work + (n) * pl.unit)
+#define KP(n) UNIT(n)
+#define VP(n) (UNIT(n) + blocks * 512)
+#define KI(n) (UNIT(n) + 2 * blocks * 512)
+#define QI(n) (KI(n) + sp / 2 * D)
+#define OI(n) (QI(n) + half * D)
+#define DELTA(n) ((float *)(OI(n) + half * D))
+#define FLAGS(n) ((uint8_t *)(DELTA(n) + (pl.mp + 15) / 16 * 16))
+#define PT(n) (UNIT(n) + 2 * blocks * 512 + sp / 2 * D + 2 * half * D + (pl.mp + 15) / 16 * 16 + (qblocks * blocks + 63) / 64 * 16)
+#define ST(n) (PT(n) + sp * qc / 2)
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (long n = 0; n < units; n++) { /* packing: keys and values sixteen to a vector, pairs of rows */
+            const uint16_t *kn = k + n * S * D, *vn = v + n * S * D, *qn = q + n * M * D, *on = dout + n * M * D;
+            pack_keys(kn, S, D, KP(n));
+            pack_keys(vn, S, D, VP(n));
+            pair_rows(kn, S, sp, KI(n));
+            pair_rows(qn, M, pl.mp, QI(n));
+            pair_rows(on, M, pl.mp, OI(n));
+            memset(FLAGS(n), 0, qblocks * blocks);
+            for (long m = 0; m < pl.mp; m++) {
+                __m512 sum = _mm512_setzero_ps();
+                if (m < M)
+                    for (int c = 0; c < 4; c++)
+                        sum = _mm512_fmadd_ps(load_bf16(on + m * D + 16 * c, 0xffff), _mm512_loadu_ps(out + (n * M + m) * D + 16 * c), sum);
+                DELTA(n)[m] = _mm512_reduce_add_ps(sum);
+            }
+        }
+        for (long c0 = 0; c0 < pl.mp; c0 += qc) {
+            long cblocks = (pl.mp - c0 < qc ? pl.mp - c0 : qc) / BQ, cq = c0 / BQ;
+            /* pass 1: per block of BQ queries, every key block they see */
+#pragma omp for schedule(dynamic, 4)
+            for (long item = 0; item < units * cblocks; item++) {
+                long n = item / cblocks, qb = cq + item % cblocks, m0 = qb * BQ, b = n / H;
+                long rows = M - m0 < BQ ? M - m0 : BQ;
+                if (rows <= 0) continue;
+                const uint32_t *qr[BQ], *orow[BQ];
+                const uint8_t *seen[BQ];
+                __m512 low[BQ], mid[BQ], acc[BQ][4];
+                for (int r = 0; r < BQ; r++) {
+                    long m = m0 + (r < rows ? r : rows - 1); /* a short block repeats its last query, never written */
+                    qr[r] = (const uint32_t *)(q + (n * M + m) * D);
+                    orow[r] = (const uint32_t *)(dout + (n * M + m) * D);
+                    seen[r] = visible + (b * qlen + m % qlen) * S;
+                    low[r] = _mm512_set1_ps(lse[n * M + m]);
+                    mid[r] = _mm512_set1_ps(DELTA(n)[m]);
+                    for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_ps();
+                }
+                for (long j = 0; j < blocks; j++) {
+                    __mmask16 inside = lanes(S - j * 16), live[BQ];
+                    int any = 0;
+                    for (int r = 0; r < BQ; r++) {
+                        __m128i bytes = _mm_maskz_loadu_epi8(inside, seen[r] + j * 16);
+                        live[r] = r < rows ? _mm_test_epi8_mask(bytes, bytes) : 0;
+                        any |= live[r];
+                    }
+                    if (!any) continue; /* never read in pass 2 */
+                    FLAGS(n)[qb * blocks + j] = 1;
+                    __m512 sc[BQ], dp[BQ];
+                    for (int r = 0; r < BQ; r++) sc[r] = dp[r] = _mm512_setzero_ps();
+                    const uint32_t *kj = KP(n) + j * 512, *vj = VP(n) + j * 512;
+                    for (int i = 0; i < 32; i++) {
+                        __m512bh kv = (__m512bh)_mm512_load_si512(kj + i * 16), vv = (__m512bh)_mm512_load_si512(vj + i * 16);
+                        for (int r = 0; r < BQ; r++) {
+                            sc[r] = _mm512_dpbf16_ps(sc[r], (__m512bh)_mm512_set1_epi32((int)qr[r][i]), kv);
+                            dp[r] = _mm512_dpbf16_ps(dp[r], (__m512bh)_mm512_set1_epi32((int)orow[r][i]), vv);
+                        }
+                    }
+                    __m256i pb[BQ], sl[BQ];
+                    __m512i sb[BQ];
+                    for (int r = 0; r < BQ; r++) {
+                        __m512 p = _mm512_maskz_mov_ps(live[r], exp_neg(_mm512_fmsub_ps(sc[r], _mm512_set1_ps(scale), low[r])));
+                        __m512 ds = _mm512_mul_ps(p, _mm512_sub_ps(dp[r], mid[r]));
+                        pb[r] = (__m256i)_mm512_cvtneps_pbh(p);
+                        sl[r] = (__m256i)_mm512_cvtneps_pbh(ds);
+                        sb[r] = _mm512_castsi256_si512(sl[r]);
+                    }
+                    store_pairs(pb, PT(n) + j * 16 * (qc / 2) + (m0 - c0) / 2, qc / 2);
+                    store_pairs(sl, ST(n) + j * 16 * (qc / 2) + (m0 - c0) / 2, qc / 2);
+                    const uint32_t *kpair = KI(n) + j * 8 * D;
+                    for (int i = 0; i < 8; i++) { /* dq += ds k over the block's key pairs */
+                        __m512bh k0 = (__m512bh)_mm512_load_si512(kpair + i * D), k1 = (__m512bh)_mm512_load_si512(kpair + i * D + 16);
+                        __m512bh k2 = (__m512bh)_mm512_load_si512(kpair + i * D + 32), k3 = (__m512bh)_mm512_load_si512(kpair + i * D + 48);
+                        __m512i which = _mm512_set1_epi32(i);
+                        for (int r = 0; r < BQ; r++) {
+                            __m512bh x = (__m512bh)_mm512_permutexvar_epi32(which, sb[r]);
+                            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], x, k0);
+                            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], x, k1);
+                            acc[r][2] = _mm512_dpbf16_ps(acc[r][2], x, k2);
+                            acc[r][3] = _mm512_dpbf16_ps(acc[r][3], x, k3);
+                        }
+                    }
+                }
+                for (int r = 0; r < rows; r++)
+                    for (int c = 0; c < 4; c++) _mm512_storeu_ps(dq + (n * M + m0 + r) * D + 16 * c, _mm512_mul_ps(acc[r][c], _mm512_set1_ps(scale)));
+            }
+            /* pass 2: per block of BK keys, the chunk's query pairs whose blocks see them */
+#pragma omp for schedule(dynamic, 4)
+            for (long item = 0; item < units * kblocks; item++) {
+                long n = item / kblocks, s0 = (item % kblocks) * BK, j = s0 / 16;
+                if (s0 >= S) continue;
+                for (int which = 0; which < 2; which++) { /* dv from p and dO, then dk from ds and q */
+                    const uint32_t *weights = which ? ST(n) : PT(n), *rowsi = which ? QI(n) : OI(n);
+                    __m512 acc[BK][4];
+                    for (int t = 0; t < BK; t++)
+                        for (int c = 0; c < 4; c++) acc[t][c] = _mm512_setzero_ps();
+                    for (long qb = cq; qb < cq + cblocks; qb++) {
+                        if (!FLAGS(n)[qb * blocks + j]) continue;
+                        for (long i = qb * BQ / 2; i < (qb + 1) * BQ / 2; i++) {
+                            const uint32_t *x = rowsi + i * D;
+                            __m512bh x0 = (__m512bh)_mm512_load_si512(x), x1 = (__m512bh)_mm512_load_si512(x + 16);
+                            __m512bh x2 = (__m512bh)_mm512_load_si512(x + 32), x3 = (__m512bh)_mm512_load_si512(x + 48);
+                            for (int t = 0; t < BK; t++) {
+                                __m512bh y = (__m512bh)_mm512_set1_epi32((int)weights[(s0 + t) * (qc / 2) + i - c0 / 2]);
+                                acc[t][0] = _mm512_dpbf16_ps(acc[t][0], y, x0);
+                                acc[t][1] = _mm512_dpbf16_ps(acc[t][1], y, x1);
+                                acc[t][2] = _mm512_dpbf16_ps(acc[t][2], y, x2);
+                                acc[t][3] = _mm512_dpbf16_ps(acc[t][3], y, x3);
+                            }
+                        }
+                    }
+                    float *target = which ? dk : dv;
+                    __m512 times = _mm512_set1_ps(which ? scale : 1.0f);
+                    for (int t = 0; t < BK && s0 + t < S; t++)
+                        for (int c = 0; c < 4; c++) {
+                            float *at = target + (n * S + s0 + t) * D + 16 * c;
+                            __m512 x = _mm512_mul_ps(acc[t][c], times);
+                            _mm512_storeu_ps(at, c0 ? _mm512_add_ps(_mm512_loadu_ps(at), x) : x);
+                        }
+                }
+            }
+        }
+    }
+}
+"""
+)
+
+
+@cache
+def _library() -> ctypes.CDLL | None:
+    lib = compiled(_SOURCE, "attention_backward")
+    if lib is None:
+        return None
+    lib.attention_backward.restype = None
+    lib.attention_backward.argtypes = [ctypes.c_void_p] * 10 + [ctypes.c_long] * 5 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
+    lib.attention_backward_workspace.restype = ctypes.c_long
+    lib.attention_backward_workspace.argtypes = [ctypes.c_long] * 4
+    return lib
+
+
+_workspace: list[Tensor] = []  # kept between calls: a fresh one is new pages, and faulting them in cost more than the products
+
+
+def _work(size: int) -> Tensor:
+    """A 64-byte aligned u32 workspace of at least `size` (the largest asked for so far)."""
+    if not _workspace or _workspace[0].numel() < size + 16:
+        _workspace[:] = [torch.empty(size + 16, dtype=torch.int32)]
+    raw = _workspace[0]
+    skip = (-raw.data_ptr() % 64) // 4
+    return raw[skip:]
+
+
+def attention_backward(
+    query: Tensor, key: Tensor, value: Tensor, grad: Tensor, out: Tensor, lse: Tensor, visible: Tensor, scale: float
+) -> tuple[Tensor, Tensor, Tensor] | None:
+    """Gradients of (B, H_kv, M, D) queries, (B, H_kv, S, D) keys and values (bf16, D =
+    `HEAD_DIM`) for attention where `visible` ((B, q, S) bool, query m reading row m % q)
+    allows, given the output's gradient `grad` and the forward's fp32 output `out` (both (B,
+    H_kv, M, D)) and log-sum-exps `lse` ((B, H_kv, M); -inf for a query that sees no key):
+    (dq, dk, dv) in fp32. None where the kernel does not run here."""
+    batch, heads, queries, dim = query.shape
+    keys = key.shape[2]
+    if (
+        not enabled()
+        or dim != HEAD_DIM
+        or query.device.type != "cpu"
+        or not query.dtype == key.dtype == value.dtype == torch.bfloat16
+        or key.shape != (batch, heads, keys, dim)
+        or value.shape != key.shape
+        or grad.shape != query.shape
+        or out.shape != query.shape
+        or lse.shape != query.shape[:3]
+        or visible.shape != (batch, visible.shape[1], keys)
+        or visible.shape[1] == 0
+        or queries % visible.shape[1]
+        or queries == 0
+        or keys == 0
+    ):
+        return None
+    lib = _library()
+    if lib is None:
+        return None
+    q, k, v = (t.detach().contiguous() for t in (query, key, value))
+    dout = grad.detach().to(torch.bfloat16).contiguous()
+    out, lse = out.detach().float().contiguous(), lse.detach().float().contiguous()
+    seen = visible.to(torch.uint8).contiguous()
+    dq = torch.empty(query.shape, dtype=torch.float32)
+    dk, dv = torch.empty(key.shape, dtype=torch.float32), torch.empty(key.shape, dtype=torch.float32)
+    work = _work(lib.attention_backward_workspace(batch, heads, queries, keys))
+    lib.attention_backward(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), dout.data_ptr(), out.data_ptr(), lse.data_ptr(), seen.data_ptr(),
+        dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), batch, heads, queries, keys, visible.shape[1],
+        scale, work.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    return dq, dk, dv
