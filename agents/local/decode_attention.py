@@ -72,10 +72,12 @@ static void widen_values(const uint16_t *v, long n, long vss, long width, float 
 }
 
 /* scores[m][s] = (q_m . key s) * scale for n packed keys, in blocks of qb <= QB queries; MASKED
-   past n and where seen[m] (a row of n visibility bytes, or NULL: every key) says 0. peak[m]
-   rises to the largest. Inlined with qb a constant, so each block size gets its own loops. */
+   past n and where seen[m] (a row of n visibility bytes, or NULL: every key) says 0, a block of
+   sixteen keys no query of a block sees skipped. peak[m] rises to the largest; span (or NULL)
+   widens to [first, last + 1) of the blocks some query sees. Inlined with qb a constant, so each
+   block size gets its own loops. */
 static inline __attribute__((always_inline)) void score_blocks(const uint32_t *kp, long n, const uint16_t **qm, const uint8_t **seen, long M,
-                         float scale, float *scores, long width, float *peak, const int qb) {
+                         float scale, float *scores, long width, float *peak, long *span, const int qb) {
     long blocks = (n + 15) / 16;
     const __m512 scaled = _mm512_set1_ps(scale), masked = _mm512_set1_ps(MASKED);
     for (long m0 = 0; m0 < M; m0 += qb) {
@@ -87,6 +89,26 @@ static inline __attribute__((always_inline)) void score_blocks(const uint32_t *k
             top[r] = masked;
         }
         for (long j = 0; j < blocks; j++) {
+            long left = n - j * 16;
+            __mmask16 inside = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1), live[QB];
+            int any = 0;
+            for (int r = 0; r < rows; r++) {
+                live[r] = inside;
+                if (seen) {
+                    const uint8_t *row = seen[m0 + r] + j * 16;
+                    __m128i bytes = left >= 16 ? _mm_loadu_si128((const __m128i *)row) : _mm_maskz_loadu_epi8(inside, row);
+                    live[r] &= _mm_test_epi8_mask(bytes, bytes);
+                }
+                any |= live[r];
+            }
+            if (!any) { /* a block none of these queries sees (a causal row's later keys, padding) */
+                for (int r = 0; r < rows; r++) _mm512_store_ps(scores + (m0 + r) * width + j * 16, masked);
+                continue;
+            }
+            if (span) {
+                if (j < span[0]) span[0] = j;
+                if (j + 1 > span[1]) span[1] = j + 1;
+            }
             __m512 acc[QB];
             for (int r = 0; r < qb; r++) acc[r] = _mm512_setzero_ps();
             const uint32_t *kj = kp + j * 512;
@@ -95,16 +117,8 @@ static inline __attribute__((always_inline)) void score_blocks(const uint32_t *k
                 for (int r = 0; r < qb; r++)
                     acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32((int)qr[r][i]), kv);
             }
-            long left = n - j * 16;
-            __mmask16 inside = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
             for (int r = 0; r < rows; r++) {
-                __mmask16 live = inside;
-                if (seen) {
-                    const uint8_t *row = seen[m0 + r] + j * 16;
-                    __m128i bytes = left >= 16 ? _mm_loadu_si128((const __m128i *)row) : _mm_maskz_loadu_epi8(inside, row);
-                    live &= _mm_test_epi8_mask(bytes, bytes);
-                }
-                __m512 x = _mm512_mask_mul_ps(masked, live, acc[r], scaled);
+                __m512 x = _mm512_mask_mul_ps(masked, live[r], acc[r], scaled);
                 top[r] = _mm512_max_ps(top[r], x);
                 _mm512_store_ps(scores + (m0 + r) * width + j * 16, x);
             }
@@ -119,9 +133,9 @@ static inline __attribute__((always_inline)) void score_blocks(const uint32_t *k
 /* score_blocks in blocks of 8 queries, or of 4 for a decode step's few (half the products went
    to repeated queries otherwise) */
 static void score_packed(const uint32_t *kp, long n, const uint16_t **qm, const uint8_t **seen, long M,
-                         float scale, float *scores, long width, float *peak) {
-    if (M <= 4) score_blocks(kp, n, qm, seen, M, scale, scores, width, peak, 4);
-    else score_blocks(kp, n, qm, seen, M, scale, scores, width, peak, QB);
+                         float scale, float *scores, long width, float *peak, long *span) {
+    if (M <= 4) score_blocks(kp, n, qm, seen, M, scale, scores, width, peak, span, 4);
+    else score_blocks(kp, n, qm, seen, M, scale, scores, width, peak, span, QB);
 }
 
 /* The same scores one key at a time, from keys as they lie (few queries: packing would cost more
@@ -294,7 +308,9 @@ void block_attention(const uint16_t *q, const uint16_t *k, const uint16_t *v, co
                 peak[r] = MASKED;
                 total[r] = 0.0f;
             }
-            score_packed(kp, S, qm, visible ? seen : NULL, rows, scale, scores, width, peak);
+            long span[2] = {blocks, 0};
+            score_packed(kp, S, qm, visible ? seen : NULL, rows, scale, scores, width, peak, span);
+            long first = span[0] * 16, last = span[1] * 16 < S ? span[1] * 16 : S; /* keys past these weigh 0 */
             weigh(scores, width, rows, peak, total);
             for (int r = 0; r < rows; r++)
                 lse[(b * H + h) * M + m0 + r] = peak[r] == MASKED ? -INFINITY : peak[r] + logf(total[r]);
@@ -303,7 +319,7 @@ void block_attention(const uint16_t *q, const uint16_t *k, const uint16_t *v, co
                 for (int r = 0; r < PB; r++)
                     for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_ps();
                 const float *w0 = scores + r0 * width;
-                for (long s = 0; s < S; s++) {
+                for (long s = first; s < last; s++) {
                     const float *vs = vf + s * D;
                     __m512 v0 = _mm512_load_ps(vs), v1 = _mm512_load_ps(vs + 16), v2 = _mm512_load_ps(vs + 32), v3 = _mm512_load_ps(vs + 48);
                     for (int r = 0; r < PB; r++) {

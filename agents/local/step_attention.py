@@ -76,10 +76,10 @@ void step_attention(const uint16_t *q, const uint32_t *kp, const float *vf, cons
                     total[m] = 0.0f;
                 }
                 const uint16_t *kb = k + b * ksb + h * ksh, *vb = v + b * vsb + h * vsh;
-                if (blocks) score_packed(kp + h * blocks * 512, P, qm, NULL, M, scale, sp, pwidth, peak);
+                if (blocks) score_packed(kp + h * blocks * 512, P, qm, NULL, M, scale, sp, pwidth, peak, NULL);
                 if (packed) {
                     pack_keys(kb, S, kss, own_kp);
-                    score_packed(own_kp, S, qm, seen, M, scale, so, owidth, peak);
+                    score_packed(own_kp, S, qm, seen, M, scale, so, owidth, peak, NULL);
                 } else {
                     score_each(kb, S, kss, qm, seen, iss, M, scale, so, owidth, peak);
                 }
