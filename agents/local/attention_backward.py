@@ -68,28 +68,35 @@ static inline void store_pairs(const __m256i x[4], uint32_t *out, long stride) {
 #define QC 256 /* queries a chunk at most: p and ds are kept for one chunk at a time */
 
 typedef struct {
-    long blocks, sp, mp, qblocks, half, qc, unit;
+    long blocks, sp, mp, qblocks, half, qc;
+    long vp, ki, qi, oi, delta, flags, pt, st, unit; /* offsets in a unit's workspace (u32), and its size */
 } plan_t;
 
-/* Sizes in u32: a unit's packed keys and values, key pairs, query and dO pairs, delta and the
-   seen-block flags, then (for qc queries) its kept p and ds */
-static plan_t plan(long M, long S, long qc) {
+/* Sizes for M queries over S keys, and where a unit's parts lie in its workspace: packed keys
+   and values, key pairs, query and dO pairs, delta, the seen-block flags, then the p and ds kept
+   for a chunk of qc queries */
+static plan_t plan(long M, long S) {
     plan_t p;
     p.blocks = (S + 15) / 16;
     p.sp = p.blocks * 16;
     p.mp = (M + BQ - 1) / BQ * BQ;
     p.qblocks = p.mp / BQ;
     p.half = p.mp / 2;
-    p.qc = qc;
-    p.unit = (2 * p.blocks * 512 + p.sp / 2 * D + 2 * p.half * D + (p.mp + 15) / 16 * 16 + (p.qblocks * p.blocks + 63) / 64 * 16 + p.sp * qc + 15) / 16 * 16;
+    p.qc = p.mp < QC ? p.mp : QC;
+    p.vp = p.blocks * 512;
+    p.ki = p.vp + p.blocks * 512;
+    p.qi = p.ki + p.sp / 2 * D;
+    p.oi = p.qi + p.half * D;
+    p.delta = p.oi + p.half * D;
+    p.flags = p.delta + (p.mp + 15) / 16 * 16;
+    p.pt = p.flags + (p.qblocks * p.blocks + 63) / 64 * 16;
+    p.st = p.pt + p.sp * p.qc / 2;
+    p.unit = (p.st + p.sp * p.qc / 2 + 15) / 16 * 16;
     return p;
 }
 
 /* The workspace (u32) `attention_backward` needs for B x H units of M queries over S keys */
-long attention_backward_workspace(long B, long H, long M, long S) {
-    long mp = (M + BQ - 1) / BQ * BQ;
-    return B * H * plan(M, S, mp < QC ? mp : QC).unit;
-}
+long attention_backward_workspace(long B, long H, long M, long S) { return B * H * plan(M, S).unit; }
 
 /* Gradients of softmax attention (B x H units of M contiguous bf16 queries over S keys and
    values, D = 64) from the output's gradient dout (bf16), the forward's fp32 outputs and
@@ -100,19 +107,17 @@ void attention_backward(const uint16_t *q, const uint16_t *k, const uint16_t *v,
                         const float *out, const float *lse, const uint8_t *visible,
                         float *dq, float *dk, float *dv, long B, long H, long M, long S, long qlen,
                         float scale, uint32_t *work, int threads) {
-    long units = B * H, mp0 = (M + BQ - 1) / BQ * BQ;
-    plan_t pl = plan(M, S, mp0 < QC ? mp0 : QC);
-    long blocks = pl.blocks, sp = pl.sp, qblocks = pl.qblocks, half = pl.half, qc = pl.qc, kblocks = sp / BK;
-#define UNIT(n) (work + (n) * pl.unit)
-#define KP(n) UNIT(n)
-#define VP(n) (UNIT(n) + blocks * 512)
-#define KI(n) (UNIT(n) + 2 * blocks * 512)
-#define QI(n) (KI(n) + sp / 2 * D)
-#define OI(n) (QI(n) + half * D)
-#define DELTA(n) ((float *)(OI(n) + half * D))
-#define FLAGS(n) ((uint8_t *)(DELTA(n) + (pl.mp + 15) / 16 * 16))
-#define PT(n) (UNIT(n) + 2 * blocks * 512 + sp / 2 * D + 2 * half * D + (pl.mp + 15) / 16 * 16 + (qblocks * blocks + 63) / 64 * 16)
-#define ST(n) (PT(n) + sp * qc / 2)
+    plan_t pl = plan(M, S);
+    long units = B * H, blocks = pl.blocks, sp = pl.sp, qblocks = pl.qblocks, half = pl.half, qc = pl.qc, kblocks = sp / BK;
+#define KP(n) (work + (n) * pl.unit)
+#define VP(n) (KP(n) + pl.vp)
+#define KI(n) (KP(n) + pl.ki)
+#define QI(n) (KP(n) + pl.qi)
+#define OI(n) (KP(n) + pl.oi)
+#define DELTA(n) ((float *)(KP(n) + pl.delta))
+#define FLAGS(n) ((uint8_t *)(KP(n) + pl.flags))
+#define PT(n) (KP(n) + pl.pt)
+#define ST(n) (KP(n) + pl.st)
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp for schedule(static)
@@ -138,8 +143,7 @@ void attention_backward(const uint16_t *q, const uint16_t *k, const uint16_t *v,
 #pragma omp for schedule(dynamic, 4)
             for (long item = 0; item < units * cblocks; item++) {
                 long n = item / cblocks, qb = cq + item % cblocks, m0 = qb * BQ, b = n / H;
-                long rows = M - m0 < BQ ? M - m0 : BQ;
-                if (rows <= 0) continue;
+                long rows = M - m0 < BQ ? M - m0 : BQ; /* >= 1: mp rounds M up by less than BQ */
                 const uint32_t *qr[BQ], *orow[BQ];
                 const uint8_t *seen[BQ];
                 __m512 low[BQ], mid[BQ], acc[BQ][4];
