@@ -6,7 +6,8 @@ FLOPs of the tokens they ran and this CPU's matmul peak measured in the same run
 The GRPO steps train LoRA adapters (rank 16, the training default; `--lora-r 0`: every weight).
 
 Every forward call of a causal LM is counted by a global forward pre-hook (rows x new tokens,
-the keys each attends to, the LM-head columns kept, and whether autograd is recording, which
+the keys each attends to (counted from the mask where it is a given 4D one: the loss pass's prefix
+trees), the LM-head columns kept, and whether autograd is recording, which
 means a backward of twice the forward's cost follows). FLOPs are the usual dense estimate:
 2 x non-embedding parameters per token, 4 x layers x hidden x keys per token for attention, 2 x
 hidden x vocab per LM-head column; padding counts, since it is computed. The floor of a figure is
@@ -59,19 +60,34 @@ class FlopCount:
         return self.inference + self.training
 
 
-def forward_flops(model: Any, rows: int, new: int, keys: int, head_columns: int) -> float:
-    """Dense FLOPs of one forward: `rows` x `new` tokens, each attending to about `keys` keys."""
+def forward_flops(model: Any, rows: int, new: int, keys: int, head_columns: int, seen: float | None = None) -> float:
+    """Dense FLOPs of one forward: `rows` x `new` tokens, each attending to about `keys` keys
+    (`seen`: the keys a query sees on average, where a given mask says; else causal)."""
     cfg = model.config
     ends = {id(model.get_input_embeddings()), id(model.get_output_embeddings())}
     body = sum(own_weights(module) for module in model.modules() if id(module) not in ends)  # a packed copy's layers too
-    causal_keys = keys - (new - 1) / 2  # a prefill's queries see on average half their own block
-    return rows * (2 * body * new + 4 * cfg.num_hidden_layers * cfg.hidden_size * new * causal_keys + 2 * cfg.hidden_size * cfg.vocab_size * head_columns)
+    seen = causal_keys(new, keys) if seen is None else seen
+    return rows * (2 * body * new + 4 * cfg.num_hidden_layers * cfg.hidden_size * new * seen + 2 * cfg.hidden_size * cfg.vocab_size * head_columns)
 
 
-def forward_exps(model: Any, rows: int, new: int, keys: int) -> float:
+def causal_keys(new: int, keys: int) -> float:
+    """Keys a query of a causal pass sees on average: a prefill's queries see half their own block."""
+    return keys - (new - 1) / 2
+
+
+def forward_exps(model: Any, rows: int, new: int, keys: int, seen: float | None = None) -> float:
     """Softmax exps of one forward's attention: one per query position, head, layer and key seen."""
     cfg = model.config
-    return rows * new * cfg.num_attention_heads * cfg.num_hidden_layers * (keys - (new - 1) / 2)
+    return rows * new * cfg.num_attention_heads * cfg.num_hidden_layers * (causal_keys(new, keys) if seen is None else seen)
+
+
+def keys_seen(mask: Any) -> float | None:
+    """Keys a query sees on average under a given (B, 1, q, S) mask (a prefix tree's: each node
+    sees the head and its ancestors), or None for a 2D padding mask or none."""
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 4:
+        return None
+    visible = mask if mask.dtype == torch.bool else mask == 0
+    return float(visible.sum()) / (visible.shape[0] * visible.shape[2])
 
 
 @contextmanager
@@ -101,10 +117,11 @@ def counting_flops(model_class: type, *, weight_gradients: bool = True) -> Itera
                 keys = mask.shape[-1]
             keep = kwargs.get("logits_to_keep", 0)
             columns = new if isinstance(keep, int) and keep == 0 else (keep if isinstance(keep, int) else len(keep))
-            flops = forward_flops(self, rows, new, keys, columns)
+            seen = keys_seen(mask)
+            flops = forward_flops(self, rows, new, keys, columns, seen)
             phase = "training" if torch.is_grad_enabled() and not torch.is_inference_mode_enabled() else "inference"
             setattr(count, phase, getattr(count, phase) + (training_factor * flops if phase == "training" else flops))
-            count.exps += forward_exps(self, rows, new, keys) * (2 if phase == "training" else 1)
+            count.exps += forward_exps(self, rows, new, keys, seen) * (2 if phase == "training" else 1)
             count.tokens[phase] += rows * new
         return original(self, *args, **kwargs)
 

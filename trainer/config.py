@@ -85,7 +85,9 @@ class TrainConfig:
     micro_batch_size: int = 4
     """Most trajectories per forward/backward, longest first and fewer for long ones (rows x width
     and rows x width^2 within `trainer.rollout.TOKEN_BUDGET` and `ATTENTION_BUDGET`, as in SFT);
-    the loss does not depend on it."""
+    the loss does not depend on it. A model whose loss pass runs rows as a prefix tree (Llama and
+    Qwen2 layouts: `agents.local.prefix_tree`) sizes GRPO's micro-batches by tree nodes alone,
+    within `TOKEN_BUDGET`, and SFT's by this."""
     zero_std: ZeroStd = "keep"
     """Groups whose rewards are all equal: keep, drop, or resample once."""
     mask_truncated: bool = False

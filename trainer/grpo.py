@@ -35,6 +35,7 @@ from cgym.agents.eval.evaluate import EvalConfig, evaluate
 from cgym.agents.local.hf import HFPolicy
 from cgym.agents.local.lora import merged, with_lora
 from cgym.agents.local.precision import autocast, frozen_weights_cast
+from cgym.agents.local.prefix_tree import takes_trees, tree_logprobs, tree_size
 from cgym.agents.local.sampling import sequence_logprobs
 from cgym.agents.options import SamplingOptions
 from cgym.agents.pretrained import resolve_model
@@ -51,7 +52,7 @@ from cgym.trainer.losses import policy_loss, rft_weights, turn_advantages, unifi
 from cgym.trainer.metrics import HackingMonitor, MetricsLog, Outcome, env_metrics, peak_rss_gb, plot_curve, rollout_metrics
 from cgym.trainer.recompute import recomputed_past_budget
 from cgym.trainer.refine import rebase, sample_subset, select_refinements, should_refine
-from cgym.trainer.rollout import Batch, Trajectory, group_micro_batches, pack, rows_with_signal, slice_batch, spread_over_tokens
+from cgym.trainer.rollout import Batch, Trajectory, group_micro_batches, pack, rows_with_signal, slice_batch, spread_over_tokens, tree_micro_batches
 from cgym.trainer.run_folder import CONFIG_FILE, check_out, check_same_run, clear_run
 from cgym.trainer.samplers.served import PushedSampler, ServedPolicy
 from rich.console import Console
@@ -458,19 +459,23 @@ def _update(state: TrainState, trajs: list[Trajectory], advantages: torch.Tensor
     # counted in the normalizer above and metrics below, and never run.
     learning = rows_with_signal(batch, with_kl=cfg.beta > 0) if batch is not None else []
     moving = slice_batch(batch, learning) if batch is not None and learning else None
-    chunks = group_micro_batches([trajs[row].ids for row in learning], [trajs[row].group for row in learning], cfg.micro_batch_size)  # a group's rows together where that runs fewer columns; sized by length, like SFT's
+    tree = takes_trees(state.model)  # each micro-batch's rows merged into one prefix tree, each shared id run once
+    ids, groups = [trajs[row].ids for row in learning], [trajs[row].group for row in learning]
+    chunks = tree_micro_batches(ids, groups) if tree else group_micro_batches(ids, groups, cfg.micro_batch_size)  # a group's rows together; sized by tokens, like SFT's
+    logprobs = tree_logprobs if tree else sequence_logprobs
     with frozen_weights_cast(state.model):  # frozen LoRA base weights cast once per update, not per call
         for iteration in range(cfg.num_iterations):
             head = batch_head(state.model, moving.ids, moving.attention, moving.mask) if moving is not None else None  # run once per optimizer step
             for chunk, rows in enumerate(chunks):
                 assert moving is not None
                 mb = slice_batch(moving, rows)
-                with autocast(state.model), recomputed_past_budget(state.model, mb.ids.numel()):  # logits only at sampled positions; log-softmax in fp32
-                    logp = sequence_logprobs(state.model, mb.ids, mb.attention, cfg.sampling.temperature, mask=mb.mask, head=head)
+                tokens = tree_size([ids[row][head.length if head else 0 :] for row in rows]) if tree else mb.ids.numel()
+                with autocast(state.model), recomputed_past_budget(state.model, tokens):  # logits only at sampled positions; log-softmax in fp32
+                    logp = logprobs(state.model, mb.ids, mb.attention, cfg.sampling.temperature, mask=mb.mask, head=head)
                     ref = None
                     if state.reference is not None:
                         with torch.no_grad():
-                            ref = sequence_logprobs(state.reference, mb.ids, mb.attention, cfg.sampling.temperature, mask=mb.mask)
+                            ref = (tree_logprobs if takes_trees(state.reference) else sequence_logprobs)(state.reference, mb.ids, mb.attention, cfg.sampling.temperature, mask=mb.mask)
                 old = mb.old_logp
                 if own_old:
                     if iteration == 0:

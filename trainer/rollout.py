@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 
 import torch
 from cgym.agents.eval.episodes import EpisodeResult
+from cgym.agents.local.prefix_tree import tree_size
 from cgym.agents.local.sampling import MIN_SHARED_PREFIX, common_prefix_len
 from torch import Tensor
 
@@ -136,6 +137,25 @@ def group_micro_batches(ids: Sequence[Sequence[int]], groups: Sequence[int], mos
     by_length = micro_batches([len(row) for row in ids], most)
     by_group = [[rows[i] for i in chunk] for rows in group_rows(groups).values() for chunk in micro_batches([len(ids[row]) for row in rows], most)]
     return min(by_length, by_group, key=lambda plan: loss_pass_columns(ids, plan))
+
+
+def tree_micro_batches(ids: Sequence[Sequence[int]], groups: Sequence[int], budget: int = TOKEN_BUDGET) -> list[list[int]]:
+    """Row indices in micro-batches for the prefix-tree loss pass (`agents.local.prefix_tree`):
+    a group's rows, which share the most, in sorted order (neighbours share the most), cut where
+    the tree past the batch's shared head would outgrow `budget` nodes (a longer row alone).
+    Groups never share a micro-batch, so a rank of a distributed run, which holds whole groups,
+    runs the micro-batches one process would, and gets its gradients to the bit."""
+    head = common_prefix_len(ids) if len(ids) > 1 else 0
+    chunks: list[list[int]] = []
+    for rows in group_rows(groups).values():
+        chunk: list[int] = []
+        for row in sorted(rows, key=lambda r: list(ids[r])):
+            if chunk and tree_size([ids[r][head:] for r in (*chunk, row)]) > budget:
+                chunks.append(chunk)
+                chunk = []
+            chunk.append(row)
+        chunks.append(chunk)
+    return chunks
 
 
 def group_rows(groups: Sequence[int]) -> dict[int, list[int]]:

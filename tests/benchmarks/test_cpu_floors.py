@@ -75,6 +75,20 @@ def test_forward_exps_counts_each_query_head_layer_and_key_seen(model: torch.nn.
     assert exp_rate_per_s(size=2**16, repeats=2) > 1e6
 
 
+def test_a_given_4d_mask_counts_the_keys_each_query_sees(model: torch.nn.Module) -> None:
+    """A prefix tree's pass sees its nodes' ancestors only: attention is counted from its mask."""
+    from cgym.agents.local.prefix_tree import prefix_tree
+
+    tree = prefix_tree([[5, 6, 7, 8], [5, 6, 9, 10], [4, 11]])
+    visible = tree.visible()
+    with counting_flops(type(model)) as count, torch.inference_mode():
+        model(input_ids=torch.tensor(tree.ids)[None], attention_mask=visible[None, None], position_ids=torch.tensor(tree.depth)[None])
+    seen = float(visible.sum()) / len(tree)  # (1 + 2 + 3 + 4 + 3 + 4 + 1 + 2) / 8 = 2.5
+    assert seen == 2.5
+    assert count.exps == pytest.approx(forward_exps(model, 1, 8, 8, seen)) and count.exps < forward_exps(model, 1, 8, 8)
+    assert count.inference == pytest.approx(forward_flops(model, 1, 8, 8, 8, seen))
+
+
 def test_counting_keeps_the_signature_the_fast_paths_read(model: torch.nn.Module) -> None:
     """The sampler and the loss pass choose `logits_to_keep` and shared prompts from the forward's
     signature; counting must not hide it, or the benchmark times slower code than it names."""

@@ -176,8 +176,9 @@ def test_rows_with_nothing_to_learn_never_run_and_leave_the_update_unchanged(tin
     import cgym.trainer.grpo as grpo
 
     fed: list[int] = []
-    real_logprobs = grpo.sequence_logprobs
-    monkeypatch.setattr(grpo, "sequence_logprobs", lambda model, ids, *a, **kw: fed.append(ids.shape[0]) or real_logprobs(model, ids, *a, **kw))
+    for name in ("sequence_logprobs", "tree_logprobs"):  # the padded pass, or the prefix tree's
+        real = getattr(grpo, name)
+        monkeypatch.setattr(grpo, name, lambda model, ids, *a, real=real, **kw: fed.append(ids.shape[0]) or real(model, ids, *a, **kw))
     results = {}
     for skip in (True, False):
         if not skip:
@@ -219,6 +220,7 @@ def test_a_groups_shared_columns_run_once_to_the_same_update(tiny_model: Path, t
         return real_shared(model, ids, *args, **kwargs)
 
     monkeypatch.setattr(sampling, "_prefix_shared_logprobs", spy)
+    monkeypatch.setattr(grpo, "takes_trees", lambda model: False)  # the padded pass (the prefix tree's: below)
     real_logprobs = grpo.sequence_logprobs
     results = []
     for grouped in (True, False):
@@ -236,6 +238,39 @@ def test_a_groups_shared_columns_run_once_to_the_same_update(tiny_model: Path, t
         results.append((row, [p.detach() - s for p, s in zip(state.model.parameters(), start)], list(shared_runs)))
     (row_a, moves_a, runs_a), (row_b, moves_b, runs_b) = results
     assert runs_a and not runs_b  # the grouped update shared columns past the head; the other did not
+    assert row_a["loss"] == pytest.approx(row_b["loss"], rel=1e-4, abs=1e-6)
+    assert any(m.abs().max() > 0 for m in moves_a)
+    assert all(torch.allclose(x, y, atol=1e-6, rtol=1e-4) for x, y in zip(moves_a, moves_b))
+
+
+def test_the_prefix_tree_update_is_that_of_rows_run_whole(tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The update merges each group's rows into a prefix tree, each micro-batch one forward of
+    its nodes: the loss and weights of rows sorted by length, each run whole, and fewer ids run."""
+    import cgym.trainer.grpo as grpo
+    from cgym.trainer.rollout import micro_batches
+
+    fed: list[int] = []
+    results = []
+    for tree in (True, False):
+        if not tree:
+            monkeypatch.setattr(grpo, "takes_trees", lambda model: False)
+            monkeypatch.setattr(grpo, "group_micro_batches", lambda ids, groups, most: micro_batches([len(row) for row in ids], most))
+            real_logprobs = grpo.sequence_logprobs
+            monkeypatch.setattr(grpo, "sequence_logprobs", lambda *a, real_logprobs=real_logprobs, **kw: real_logprobs(*a, **{**kw, "share_prefix": False}))
+        state = setup(_config(tiny_model, tmp_path / f"tree{tree}", micro_batch_size=4), make_env=lambda split: WordyToyEnv())
+        state.optimizer = torch.optim.SGD(state.model.parameters(), lr=1.0)
+        state.scheduler = torch.optim.lr_scheduler.LambdaLR(state.optimizer, lambda s: 1.0)
+        trajs = grpo._rollout_groups(state, [0, 1], [state.config.env_id] * 2, 1)
+        advantages, _, _ = grpo._advantages(state, trajs)
+        start = [p.detach().clone() for p in state.model.parameters()]
+        fed.clear()
+        body = state.model.get_base_model().model if hasattr(state.model, "get_base_model") else state.model.model
+        hook = body.register_forward_pre_hook(lambda _, args, kwargs: fed.append(kwargs["input_ids"].numel()), with_kwargs=True)
+        row = grpo._update(state, trajs, advantages, 1)
+        hook.remove()
+        results.append((row, [p.detach() - s for p, s in zip(state.model.parameters(), start)], sum(fed), len(fed)))
+    (row_a, moves_a, ids_a, calls_a), (row_b, moves_b, ids_b, calls_b) = results
+    assert ids_a < ids_b and calls_a == 1 + 2  # the head, then one tree per group
     assert row_a["loss"] == pytest.approx(row_b["loss"], rel=1e-4, abs=1e-6)
     assert any(m.abs().max() > 0 for m in moves_a)
     assert all(torch.allclose(x, y, atol=1e-6, rtol=1e-4) for x, y in zip(moves_a, moves_b))
