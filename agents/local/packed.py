@@ -7,18 +7,104 @@ layer at 12 rows took 170 us (10 GB/s of weights) plain and 102 us (17 GB/s) pac
 the same products (`benchmarks/RESULTS.md`). Packing happens once per set of weights: when the
 sampler folds or copies them for a new optimizer step.
 
-Only for inference (the packed op has no backward) and only where `packable` says the CPU and
-the dtype take it; the results match `F.linear` bit for bit on the machines measured, and
-`tests/agents/local/test_packed.py` holds them to it.
+Where this project's C kernels run (`agents.local.kernels`), the weights are packed for one of
+its own instead: sixteen outputs a block, each as pairs of inputs, summed with `vdpbf16ps` for
+five rows at a time against four blocks. oneDNN read the weights at 12-19 GB/s for the few rows
+of a decode step; this kernel at up to 31, and matches it at hundreds of rows (SmolLM2's 120
+body layers, ad hoc `few_rows_kernel.py`: 7.7 against 10.1 ms for 5 rows, 15.6 against 19.0 for
+20, 60.0 against 65.1 for 100, 349.9 against 344.5 for 600). Its sums run in the order oneDNN's
+few-row kernel runs them, so a step of a few rows gives the same bits; past ~16 rows oneDNN
+blocks its sums otherwise, and outputs may differ in the last bf16 bit.
+
+Only for inference (the packed ops have no backward) and only where `packable` says the CPU and
+the dtype take it; `tests/agents/local/test_packed.py` holds the results to `F.linear`'s.
 """
 
 from __future__ import annotations
 
+import ctypes
+from functools import cache
+
 import torch
+from cgym.agents.local.kernels import C_HEADER, compiled, enabled
 from torch import Tensor, nn
 
 _REORDER = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
 _LINEAR = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
+
+_SOURCE = (
+    C_HEADER
+    + r"""
+#define RB 5 /* rows a block: a decode step's drafts are 1 + 4 ids a row */
+#define CB 4 /* blocks of 16 outputs a block: 20 accumulators, 4 weight vectors */
+
+/* y (M x N, bf16) = x (M x K, bf16) w^T (+ bias, fp32, or NULL); w packed as N / 16 blocks of
+   K / 2 x 16 u32, each one output's pair of inputs (k even | k odd << 16) */
+void pair_linear(const uint16_t *x, const uint32_t *w, const float *bias, uint16_t *y, long M, long K, long N, int threads) {
+    long blocks = N / 16, groups = (blocks + CB - 1) / CB, pairs = K / 2;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (long g = 0; g < groups; g++) {
+        long b0 = g * CB, cb = blocks - b0 < CB ? blocks - b0 : CB;
+        const uint32_t *wg = w + b0 * pairs * 16;
+        for (long r0 = 0; r0 < M; r0 += RB) {
+            long rows = M - r0 < RB ? M - r0 : RB;
+            const uint32_t *xr[RB];
+            for (int r = 0; r < RB; r++) xr[r] = (const uint32_t *)(x + (r0 + (r < rows ? r : rows - 1)) * K); /* a short block repeats its last row */
+            __m512 acc[RB][CB];
+            for (int r = 0; r < RB; r++)
+                for (int c = 0; c < CB; c++) acc[r][c] = _mm512_setzero_ps();
+            if (cb == CB)
+                for (long i = 0; i < pairs; i++) {
+                    __m512bh wv[CB];
+                    for (int c = 0; c < CB; c++) wv[c] = (__m512bh)_mm512_load_si512(wg + (c * pairs + i) * 16);
+                    for (int r = 0; r < RB; r++) {
+                        __m512bh xv = (__m512bh)_mm512_set1_epi32((int)xr[r][i]);
+                        for (int c = 0; c < CB; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, wv[c]);
+                    }
+                }
+            else
+                for (long i = 0; i < pairs; i++)
+                    for (int c = 0; c < cb; c++) {
+                        __m512bh wv = (__m512bh)_mm512_load_si512(wg + (c * pairs + i) * 16);
+                        for (int r = 0; r < RB; r++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)_mm512_set1_epi32((int)xr[r][i]), wv);
+                    }
+            for (int r = 0; r < rows; r++)
+                for (int c = 0; c < cb; c++) {
+                    __m512 out = bias ? _mm512_add_ps(acc[r][c], _mm512_loadu_ps(bias + (b0 + c) * 16)) : acc[r][c];
+                    _mm256_storeu_si256((__m256i *)(y + (r0 + r) * N + (b0 + c) * 16), (__m256i)_mm512_cvtneps_pbh(out));
+                }
+        }
+    }
+}
+"""
+)
+
+
+@cache
+def _library() -> ctypes.CDLL | None:
+    lib = compiled(_SOURCE, "pair_linear")
+    if lib is None:
+        return None
+    lib.pair_linear.restype = None
+    lib.pair_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
+    return lib
+
+
+def _pairs(weight: Tensor) -> Tensor:
+    """(N, K) bf16 -> (N / 16, K / 2, 16) int32: each block's outputs side by side, a pair of
+    inputs per element, as `pair_linear` reads them (64-byte aligned)."""
+    out_features, in_features = weight.shape
+    pairs = weight.contiguous().view(torch.int32)  # (N, K / 2): little endian, the even input low
+    blocks = pairs.view(out_features // 16, 16, in_features // 2).transpose(1, 2)
+    raw = torch.empty(blocks.numel() + 16, dtype=torch.int32)
+    start = (-raw.data_ptr() % 64) // 4
+    aligned = raw[start : start + blocks.numel()].view(blocks.shape)
+    aligned.copy_(blocks)
+    return aligned
+
+
+def _takes_pairs(weight: Tensor) -> bool:
+    return weight.dtype == torch.bfloat16 and weight.shape[0] % 16 == 0 and weight.shape[1] % 2 == 0 and enabled() and _library() is not None
 
 
 class PackedLinear(nn.Module):
@@ -35,11 +121,20 @@ class PackedLinear(nn.Module):
         """Pack new weights (of any dtype: cast to this layer's) in place of the current ones."""
         if tuple(weight.shape) != (self.out_features, self.in_features):
             raise ValueError(f"weight of shape {tuple(weight.shape)} for a {self.in_features} -> {self.out_features} layer")
-        self.packed = _REORDER(weight.detach().to(self.dtype), None)
+        weight = weight.detach().to(self.dtype)
+        self.pairs = _takes_pairs(weight)  # this project's kernel, or oneDNN's
+        self.packed = _pairs(weight) if self.pairs else _REORDER(weight, None)
         self.bias = None if bias is None else bias.detach().to(self.dtype).clone()
+        self.wide_bias = None if bias is None else self.bias.float()  # added before the output's rounding, as oneDNN does
 
     def forward(self, x: Tensor) -> Tensor:
-        return _LINEAR(x, self.packed, self.bias, "none", [None], "")
+        if not self.pairs:
+            return _LINEAR(x, self.packed, self.bias, "none", [None], "")
+        rows = x.reshape(-1, self.in_features).to(self.dtype).contiguous()
+        out = rows.new_empty((rows.shape[0], self.out_features))
+        bias = self.wide_bias.data_ptr() if self.wide_bias is not None else None
+        _library().pair_linear(rows.data_ptr(), self.packed.data_ptr(), bias, out.data_ptr(), rows.shape[0], self.in_features, self.out_features, torch.get_num_threads())
+        return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, packed"

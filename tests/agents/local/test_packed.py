@@ -80,6 +80,45 @@ def test_a_packed_model_gives_the_same_logits_and_samples(tiny_chat_model: Path)
             assert [s.ids[:1] for s in runs[0]] == [s.ids[:1] for s in runs[1]]
 
 
+def _kernels_run() -> bool:
+    from cgym.agents.local.packed import _library
+
+    return _library() is not None
+
+
+@requires_packing
+@pytest.mark.skipif(not _kernels_run(), reason="this project's C kernels do not run here")
+@pytest.mark.parametrize("rows", [1, 5, 7, 333])
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_pair_kernel_rounds_the_exact_sum_once(rows: int, bias: bool) -> None:
+    """Blocks of 16 outputs, pairs of inputs, rows five at a time (and a short last block): each
+    output is the exact sum of its bf16 products (and bias) rounded once to bf16, give or take
+    the fp32 accumulator's last bits."""
+    torch.manual_seed(rows)
+    linear = nn.Linear(96, 80, bias=bias).to(torch.bfloat16)  # 5 blocks: a group of 4, and 1
+    layer = PackedLinear(linear.weight, linear.bias)
+    assert layer.pairs
+    x = torch.randn(rows, 96).to(torch.bfloat16)
+    exact = x.double() @ linear.weight.double().t() + (linear.bias.double() if bias else 0)
+    with torch.no_grad():
+        out = layer(x).double()
+    assert bool(((out - exact).abs() <= exact.abs() * 2**-8 + 1e-5).all())  # half a bf16 step, and fp32's
+    assert layer(x[:, None]).shape == (rows, 1, 80)
+
+
+@requires_packing
+def test_shapes_and_settings_the_pair_kernel_does_not_take_keep_onednn(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(0)
+    odd = nn.Linear(96, 40).to(torch.bfloat16)  # 40 outputs: not blocks of 16
+    assert not PackedLinear(odd.weight, odd.bias).pairs
+    x = torch.randn(3, 96).to(torch.bfloat16)
+    with torch.no_grad():
+        _same(PackedLinear(odd.weight, odd.bias)(x), odd(x))
+    monkeypatch.setenv("CGYM_DECODE_KERNEL", "0")
+    even = nn.Linear(96, 48).to(torch.bfloat16)
+    assert not PackedLinear(even.weight, even.bias).pairs
+
+
 def test_fp32_and_parameterless_models_are_left_plain(tiny_chat_model: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(tiny_chat_model, dtype=torch.float32)
     assert not packable(model) and pack_linears(model) is model and not is_packed(model)
