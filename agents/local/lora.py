@@ -53,3 +53,38 @@ def merged(model: torch.nn.Module) -> torch.nn.Module:
     if not has_adapters(model):
         return model
     return copy.deepcopy(model).merge_and_unload()
+
+
+def folded(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """`merged(model).to(dtype)` without a copy of the model in its own dtype first: each
+    adapted layer's weight is folded (`W + B A alpha / r`, as peft merges it) and cast once,
+    every other weight cast once, and the modules are copied around the new tensors (deepcopy's
+    memo hands them over), the adapters left behind. The sampler's copy is made this way at
+    every optimizer step: for SmolLM2, copying the fp32 model and merging took ~0.7 s of a
+    ~14 s rollout. Adapters that peft merges otherwise (DoRA) take `merged`."""
+    from peft.tuners.lora import LoraLayer
+
+    if not has_adapters(model):
+        return copy.deepcopy(model).to(dtype)
+    base = model.get_base_model()
+    adapted = [module for module in base.modules() if isinstance(module, LoraLayer)]
+    if any(any(module.use_dora.get(name, False) for name in module.active_adapters) for module in adapted):
+        return merged(model).to(dtype)
+    memo: dict[int, Any] = {}
+    with torch.no_grad():
+        for module in adapted:
+            layer = module.get_base_layer()
+            delta = sum(module.get_delta_weight(name) for name in module.active_adapters if name in module.lora_A)
+            memo[id(layer.weight)] = torch.nn.Parameter((layer.weight + delta).to(dtype), requires_grad=False)
+            own = {id(param) for param in layer.parameters()}  # the base layer's bias: cast below
+            for param in module.parameters():  # the adapters: not carried into the copy
+                if id(param) not in own:
+                    memo[id(param)] = None
+        for param in base.parameters():
+            memo.setdefault(id(param), torch.nn.Parameter(param.detach().to(dtype, copy=True), requires_grad=False))
+        plain = copy.deepcopy(base, memo)
+    for name, module in list(plain.named_modules()):
+        if isinstance(module, LoraLayer):
+            parent, _, child = name.rpartition(".")
+            setattr(plain.get_submodule(parent), child, module.get_base_layer())
+    return plain.to(dtype)  # buffers too, as `merged(model).to(dtype)` casts them

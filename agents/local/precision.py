@@ -17,7 +17,7 @@ from functools import cache, partial
 import torch
 from cgym.agents.local.kv_cache import FOLDED_FROM, weights_version
 from cgym.agents.local.lean_layers import sampling_model
-from cgym.agents.local.lora import has_adapters, merged
+from cgym.agents.local.lora import folded, has_adapters
 from cgym.agents.local.packed import copy_weights
 
 DTYPE_ENV = "CGYM_DTYPE"
@@ -134,7 +134,7 @@ class SamplingWeights:
         version = weights_version(self.model)
         if adapters:  # LoRA: fold the adapters into a fresh plain copy at each new version
             if self._copy is None or version != self._version:
-                self._copy = sampling_model(merged(self.model).to(dtype).eval().requires_grad_(False))
+                self._copy = sampling_model(folded(self.model, dtype).eval().requires_grad_(False))
         elif self._copy is None:
             self._copy = sampling_model(copy.deepcopy(self.model).to(dtype).eval().requires_grad_(False))
         elif version != self._version:

@@ -97,6 +97,29 @@ def test_a_lora_models_sampling_copy_is_plain_with_the_adapters_folded_in(tiny_c
     assert versions[0] != versions[1]  # however the copies were allocated
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_folding_without_a_copy_first_gives_the_merged_model_bit_for_bit(tiny_chat_model: Path, dtype: torch.dtype) -> None:
+    """`folded` builds what `merged(model).to(dtype)` builds (every weight and buffer, the tied LM
+    head still tied) without copying the wrapped model, and leaves it as it was."""
+    pytest.importorskip("peft")
+    from cgym.agents.local.lora import folded, merged, with_lora
+
+    model = with_lora(AutoModelForCausalLM.from_pretrained(tiny_chat_model, dtype=torch.float32), 4)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.add_(0.05)
+    before = {name: param.clone() for name, param in model.named_parameters()}
+    expected, got = merged(model).to(dtype), folded(model, dtype)
+    assert type(got) is type(expected) and not any("lora" in name for name in got.state_dict())
+    assert got.state_dict().keys() == expected.state_dict().keys()
+    assert all(torch.equal(got.state_dict()[k], v) for k, v in expected.state_dict().items())
+    assert all(torch.equal(got.get_buffer(k), v) for k, v in expected.named_buffers())
+    assert got.lm_head.weight is got.model.embed_tokens.weight  # tied, as in the model
+    assert all(torch.equal(param, before[name]) for name, param in model.named_parameters())
+    assert all(p.data_ptr() != q.data_ptr() for p in got.parameters() for q in model.parameters())
+
+
 def _lora_loss_and_grads(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     model.zero_grad(set_to_none=True)
     with autocast(model):
