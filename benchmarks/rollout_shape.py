@@ -9,7 +9,8 @@ training sampling settings) and reports, from the episodes' turns and token ledg
   even one where a row rejoins the decode as soon as its env answers), and the rows a step carries
   in each;
 - the columns the loss pass runs past the shared head with micro-batches sorted by length and
-  with `trainer.rollout.group_micro_batches`' plan.
+  with `trainer.rollout.group_micro_batches`' plan, and the nodes of its prefix trees
+  (`trainer.rollout.tree_micro_batches`, `agents.local.prefix_tree`: what rows share runs once).
 Counts, not times: they are the same on any machine for the same episodes.
 """
 
@@ -37,14 +38,16 @@ def chained_steps(turns: Sequence[Sequence[int]]) -> int:
 
 def shape(turns: Sequence[Sequence[int]], ids: Sequence[Sequence[int]], groups: Sequence[int], most: int) -> dict[str, Any]:
     """The figures above from each episode's turn lengths, token ids and group."""
+    from cgym.agents.local.prefix_tree import tree_size
     from cgym.agents.local.sampling import common_prefix_len
-    from cgym.trainer.rollout import group_micro_batches, group_rows, loss_pass_columns, micro_batches
+    from cgym.trainer.rollout import group_micro_batches, group_rows, loss_pass_columns, micro_batches, tree_micro_batches
 
     sampled = sum(sum(episode) for episode in turns)
     lockstep, chained = lockstep_steps(turns), chained_steps(turns)
     head = common_prefix_len(ids)
     by_length = micro_batches([len(row) for row in ids], most)
     planned = group_micro_batches(ids, groups, most)
+    trees = tree_micro_batches(ids, groups)
     return {
         "episodes": len(turns),
         "turns": [list(episode) for episode in turns],
@@ -62,6 +65,8 @@ def shape(turns: Sequence[Sequence[int]], ids: Sequence[Sequence[int]], groups: 
             "columns_by_length": loss_pass_columns(ids, by_length),
             "columns_planned": loss_pass_columns(ids, planned),
             "plan_keeps_groups_together": all(len({groups[r] for r in chunk}) == 1 for chunk in planned),
+            "tree_nodes": sum(tree_size([ids[r][head:] for r in chunk]) for chunk in trees),
+            "micro_batches": {"by_length": len(by_length), "planned": len(planned), "trees": len(trees)},
         },
     }
 

@@ -29,3 +29,5 @@ def test_shape_counts_a_groups_shared_columns_once() -> None:
     assert loss["shared_past_head_by_group"] == {"0": 40, "1": 40}
     assert loss["plan_keeps_groups_together"]
     assert loss["columns_planned"] == 2 * (40 + 4 * 8) < loss["columns_by_length"]
+    assert loss["tree_nodes"] == 2 * (40 + 5 + 6 + 7 + 8) < loss["columns_planned"]  # each row's own ids, no padding
+    assert loss["micro_batches"]["trees"] == 2
