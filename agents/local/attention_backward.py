@@ -29,7 +29,7 @@ from functools import cache
 
 import torch
 from cgym.agents.local.decode_attention import ATTENTION_C, HEAD_DIM
-from cgym.agents.local.kernels import C_HEADER, compiled, enabled
+from cgym.agents.local.kernels import C_HEADER, aligned, compiled, enabled
 from torch import Tensor
 
 _SOURCE = (
@@ -265,9 +265,7 @@ def _work(size: int) -> Tensor:
     """A 64-byte aligned u32 workspace of at least `size` (the largest asked for so far)."""
     if not _workspace or _workspace[0].numel() < size + 16:
         _workspace[:] = [torch.empty(size + 16, dtype=torch.int32)]
-    raw = _workspace[0]
-    skip = (-raw.data_ptr() % 64) // 4
-    return raw[skip:]
+    return aligned(_workspace[0])
 
 
 def attention_backward(

@@ -68,6 +68,12 @@ static inline float bf16_value(uint16_t h) { uint32_t bits = (uint32_t)h << 16; 
 """
 
 
+def aligned(raw: torch.Tensor) -> torch.Tensor:
+    """The part of a flat 4-byte `raw` buffer that starts on a 64-byte boundary (allocate 16
+    elements more than needed), for kernels that load whole AVX-512 vectors."""
+    return raw[(-raw.data_ptr() % 64) // 4 :]
+
+
 def enabled() -> bool:
     """Whether the kernels may be used (`CGYM_DECODE_KERNEL=0` turns them off)."""
     return os.environ.get(KERNEL_ENV, "1").strip().lower() not in ("0", "false", "off", "no")

@@ -26,7 +26,7 @@ import ctypes
 from functools import cache
 
 import torch
-from cgym.agents.local.kernels import C_HEADER, compiled, enabled
+from cgym.agents.local.kernels import C_HEADER, aligned, compiled, enabled
 from torch import Tensor, nn
 
 _REORDER = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
@@ -96,11 +96,9 @@ def _pairs(weight: Tensor) -> Tensor:
     out_features, in_features = weight.shape
     pairs = weight.contiguous().view(torch.int32)  # (N, K / 2): little endian, the even input low
     blocks = pairs.view(out_features // 16, 16, in_features // 2).transpose(1, 2)
-    raw = torch.empty(blocks.numel() + 16, dtype=torch.int32)
-    start = (-raw.data_ptr() % 64) // 4
-    aligned = raw[start : start + blocks.numel()].view(blocks.shape)
-    aligned.copy_(blocks)
-    return aligned
+    out = aligned(torch.empty(blocks.numel() + 16, dtype=torch.int32))[: blocks.numel()].view(blocks.shape)
+    out.copy_(blocks)
+    return out
 
 
 def _takes_pairs(weight: Tensor) -> bool:
