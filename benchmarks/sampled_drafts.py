@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> None:
     arms = {d: [r for r in runs if r["draft_tokens"] == d] for d in (LOOKUP_TOKENS, 0)}
     per_id = {d: sum(r["seconds"] for r in rs) * 1000 / sum(r["sampled_ids"] for r in rs) for d, rs in arms.items()}
     emit({"model": args.model, "env": args.env, "env_kwargs": args.env_kwargs, "episodes": args.episodes, "temperature": 1.0, "runs": runs,
-          "ms_per_sampled_id": {str(d): round(v, 2) for d, v in per_id.items()}, "speedup_per_sampled_id": round(per_id[0] / per_id[LOOKUP_TOKENS], 3)}, args.json)
+          "ms_per_sampled_id": {str(d): round(v, 4) for d, v in per_id.items()}, "speedup_per_sampled_id": round(per_id[0] / per_id[LOOKUP_TOKENS], 3)}, args.json)
 
 
 if __name__ == "__main__":
