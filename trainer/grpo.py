@@ -260,7 +260,7 @@ def train_step(state: TrainState, step: int) -> dict[str, Any]:
     refined, refine_counts = _refine(state, trajectories, envs, step) if cfg.critique != "none" else ([], None)
     batch_trajs = trajectories + refined
     sampled_rss = peak_rss_gb()
-    state.policy.drop_caches()  # the rollout's per-turn keys/values and LoRA's folded copy: stale after the update, memory during it
+    state.policy.drop_caches()  # the rollout's per-turn keys/values: stale after the update, memory during it
 
     # 3. advantages: one baseline per group over initial + refined rewards (global, for scale="batch")
     advantages, rewards, groups = _advantages(state, batch_trajs)

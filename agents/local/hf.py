@@ -126,12 +126,12 @@ class HFPolicy:
     def drop_caches(self) -> None:
         """Free what sampling keeps between calls for the current weights: the keys/values of
         the conversations' next turns (`act` keeps each row's until its next call, so a finished
-        batch's stay until then) and a LoRA model's folded copy. A trainer calls this between
-        its rollout and its update, where they would only take memory (on ApiReport medium, 32
-        conversations of ~2,000 tokens hold ~3 GB in fp32) and be stale after it."""
+        batch's stay until then). A trainer calls this between its rollout and its update, where
+        they would only take memory (on ApiReport medium, 32 conversations of ~2,000 tokens hold
+        ~3 GB in fp32) and be stale after it. The sampling copy of the weights is kept: it is
+        refreshed in place after the update, which costs less than building it again."""
         if self.turn_cache is not None:
             self.turn_cache.keep_only(())
-        self.sampling_weights.drop_folded()
 
     @property
     def stop_ids(self) -> set[int]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -88,3 +89,35 @@ def folded(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
             parent, _, child = name.rpartition(".")
             setattr(plain.get_submodule(parent), child, module.get_base_layer())
     return plain.to(dtype)  # buffers too, as `merged(model).to(dtype)` casts them
+
+
+def refold(copy: torch.nn.Module, model: torch.nn.Module) -> None:
+    """Write `model`'s folded weights into `copy`, a `folded(model, dtype)` made earlier (its
+    linear layers perhaps packed since), in place: what a fresh `folded` would hold, bit for bit,
+    without deepcopying the modules again (for SmolLM2 the copy's ~120k objects took ~0.65 s of
+    each GRPO step's rollout)."""
+    from cgym.agents.local.packed import copy_weights
+    from peft.tuners.lora import LoraLayer
+
+    base = model.get_base_model()
+    layers: dict[str, Any] = dict(base.named_modules())
+    with torch.no_grad():
+        for name, module in layers.items():
+            if not isinstance(module, LoraLayer):
+                continue
+            layer = module.get_base_layer()
+            if any(module.use_dora.get(adapter, False) for adapter in module.active_adapters):
+                copy_weights(copy, merged(model))  # peft folds DoRA otherwise: take its fold whole
+                return
+            delta = sum(module.get_delta_weight(adapter) for adapter in module.active_adapters if adapter in module.lora_A)
+            layers[name] = _Folded(layer.weight + delta, layer.bias, layer.out_features)
+    copy_weights(copy, layers)
+
+
+@dataclass
+class _Folded:
+    """An adapted layer's folded weights, where `copy_weights` reads a source layer's."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    out_features: int

@@ -23,7 +23,9 @@ the dtype take it; `tests/agents/local/test_packed.py` holds the results to `F.l
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Mapping
 from functools import cache
+from typing import Any
 
 import torch
 from cgym.agents.local.kernels import C_HEADER, aligned, compiled, enabled
@@ -194,10 +196,12 @@ def pack_linears(model: nn.Module) -> nn.Module:
     return model
 
 
-def copy_weights(copy: nn.Module, source: nn.Module) -> None:
+def copy_weights(copy: nn.Module, source: nn.Module | Mapping[str, Any]) -> None:
     """Copy `source`'s parameters into `copy`, a copy of it made earlier (in another dtype, its
-    linear layers perhaps packed since), in place: packed layers pack the new weights again."""
-    sources = dict(source.named_modules())
+    linear layers perhaps packed since), in place: packed layers pack the new weights again.
+    `source` may also be its modules by name, some of them stand-ins (a linear layer's needs
+    only `weight`, `bias` and `out_features`)."""
+    sources = dict(source.named_modules()) if isinstance(source, nn.Module) else source
     with torch.no_grad():
         for name, module in copy.named_modules():
             if isinstance(module, FusedLinear):
@@ -207,8 +211,13 @@ def copy_weights(copy: nn.Module, source: nn.Module) -> None:
             if isinstance(module, PackedLinear):
                 module.load(sources[name].weight, sources[name].bias)
                 continue
-            for mine, theirs in zip(module.parameters(recurse=False), sources[name].parameters(recurse=False), strict=True):
-                mine.copy_(theirs)
+            theirs = sources[name]
+            if not isinstance(theirs, nn.Module):  # a linear layer's stand-in
+                theirs = [t for t in (theirs.weight, theirs.bias) if t is not None]
+            else:
+                theirs = list(theirs.parameters(recurse=False))
+            for mine, their in zip(module.parameters(recurse=False), theirs, strict=True):
+                mine.copy_(their)
 
 
 def own_weights(module: nn.Module) -> int:

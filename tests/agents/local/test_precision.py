@@ -92,9 +92,44 @@ def test_a_lora_models_sampling_copy_is_plain_with_the_adapters_folded_in(tiny_c
             torch.testing.assert_close(copy(input_ids=ids).logits.float(), expected, **tolerance)
         assert weights_version(copy) == weights_version(model)  # the caches key on the source's version
         versions.append(weights_version(copy))
-        weights.drop_folded()  # freed between rollout and update; folded anew on the next call
-        assert weights.get() is not copy
-    assert versions[0] != versions[1]  # however the copies were allocated
+        assert weights.get() is copy  # the same version: the same copy, not folded again
+    assert versions[0] != versions[1]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_lora_models_sampling_copy_is_refolded_in_place_bit_for_bit(tiny_chat_model: Path, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
+    """After the adapters train, the sampling copy is the same object holding what a copy folded
+    afresh would hold: every packed weight, bias and parameter equal to the bit."""
+    pytest.importorskip("peft")
+    from cgym.agents.local.lora import with_lora
+
+    monkeypatch.setenv(DTYPE_ENV, str(dtype).removeprefix("torch."))
+    torch.manual_seed(0)
+    model = with_lora(AutoModelForCausalLM.from_pretrained(tiny_chat_model, dtype=torch.float32), 4)
+    weights = SamplingWeights(model)
+    copy = weights.get()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.add_(torch.randn_like(param) * 0.05)
+        model.base_model.model.model.norm.weight.add_(0.5)  # a weight that is not adapted moves too
+    refreshed = weights.get()
+    fresh = SamplingWeights(model).get()
+    assert refreshed is copy and weights_version(refreshed) == weights_version(model)
+    mine, theirs = _held(refreshed), _held(fresh)
+    assert mine.keys() == theirs.keys() and len(mine) > 10
+    assert all(torch.equal(mine[key], theirs[key]) for key in theirs), [key for key in theirs if not torch.equal(mine[key], theirs[key])]
+
+
+def _held(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every tensor a sampling copy computes with: parameters, buffers, packed weights, biases."""
+    held = {name: t for name, t in model.state_dict().items()}
+    for name, module in model.named_modules():
+        for attr in ("packed", "bias", "wide_bias", "weight"):
+            value = module.__dict__.get(attr)
+            if isinstance(value, torch.Tensor):
+                held[f"{name}.{attr}"] = value.to_dense() if value.is_mkldnn else value  # oneDNN's packed layout
+    return held
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
