@@ -2,7 +2,10 @@
 
 All live episodes take their turn together (one `policy.act` call), envs step (one after
 another, or concurrently with `workers`), finished episodes leave and new seeds take their
-slots. Used by eval, audit, compare and the trainer.
+slots. A policy that can `play` (`HFPolicy`) takes turns as a stream instead: an env steps as
+soon as its turn is sampled, and the next turn joins the rows still decoding (continuous
+batching), so no episode waits for the longest turn of the others. Used by eval, audit, compare
+and the trainer.
 """
 
 from __future__ import annotations
@@ -116,7 +119,9 @@ def run_episodes(
     `workers` > 1 resets and steps the live envs concurrently on that many threads, each env
     pinned to one of them: worth it when steps wait on I/O (an HTTP API with latency), not for
     CPU-bound envs under the GIL. The pinning lasts this call (a `pool` env may move thread between
-    calls). Results and the order of `on_done` are those of `workers=1`.
+    calls). Results and the order of `on_done` are those of `workers=1`. With one worker, a
+    policy that has `play` streams its turns (each env steps as its turn ends); `on_done` then
+    hears episodes in the order they finish.
     `conversation_for(i, conv)` may replace the opening conversation of the i-th episode (e.g.
     with a refinement prompt); the env still scores the episode it started from that seed.
     `pool` reuses (and grows) a caller-owned list of envs instead of building new ones.
@@ -133,6 +138,12 @@ def run_episodes(
     free = list(envs)
     live: dict[int, _Slot] = {}
     results: dict[int, EpisodeResult] = {}
+    if workers == 1 and callable(getattr(policy, "play", None)):
+        _stream(policy, queue, envs, results, on_done, conversation_for, options_for)
+        if pool is None:
+            for env in envs:
+                env.close()
+        return [results[i] for i in range(len(pending))]
     lanes = _Lanes(min(workers, len(envs)))
     try:
         while queue or live:
@@ -160,6 +171,46 @@ def run_episodes(
     finally:
         lanes.close()
     return [results[i] for i in range(len(pending))]
+
+
+def _stream(
+    policy: Any,
+    queue: list[tuple[int, int]],
+    envs: list[gym.Env],
+    results: dict[int, EpisodeResult],
+    on_done: Callable[[EpisodeResult], None] | None,
+    conversation_for: Callable[[int, Conversation], Conversation] | None,
+    options_for: Callable[[int], dict[str, Any] | None] | None,
+) -> None:
+    """Play the queued (index, seed) episodes through `policy.play`: each env steps as soon as
+    its turn is sampled, and a finished episode's slot takes the next seed."""
+    live: dict[int, tuple[int, _Slot]] = {}  # slot -> (episode index, its slot state)
+
+    def start(slot: int, env: gym.Env) -> Conversation | None:
+        if not queue:
+            return None
+        index, seed = queue.pop()
+        _, info = env.reset(seed=seed, options=options_for(index) if options_for else None)
+        conv = _opening(env, info)
+        live[slot] = (index, _Slot(env, seed, conversation_for(index, conv) if conversation_for else conv, []))
+        return live[slot][1].conversation
+
+    def follow(slot: int, turn: Turn) -> Conversation | None:
+        index, state = live[slot]
+        state.turns.append(turn)
+        _, reward, terminated, truncated, info = state.env.step(turn.text)
+        state.conversation.extend_from_env(info["messages"])
+        if not (terminated or truncated):
+            return state.conversation
+        result = _result(state, reward, bool(truncated), info)
+        results[index] = result
+        del live[slot]
+        if on_done is not None:
+            on_done(result)
+        return start(slot, state.env)
+
+    opening = [start(slot, env) for slot, env in enumerate(envs)]  # as many envs as seeds at most: none is None
+    policy.play([conv for conv in opening if conv is not None], follow)
 
 
 def _opening(env: gym.Env, info: dict[str, Any]) -> Conversation:

@@ -9,7 +9,7 @@ a trainer later learns from exactly those tokens (see `agents.ledger`).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -18,10 +18,11 @@ from cgym.agents.base import Conversation, Turn
 from cgym.agents.ledger import ChatEncoder
 from cgym.agents.local.allocator import keep_freed_memory
 from cgym.agents.local.batching import kv_budgets, kv_bytes_per_token, length_chunks
+from cgym.agents.local.joins import Request
 from cgym.agents.local.kv_cache import PrefixCache
 from cgym.agents.local.lean_layers import sampling_model
 from cgym.agents.local.precision import SamplingWeights, compute_dtype
-from cgym.agents.local.sampling import LOOKUP_TOKENS, Sample, sample_batch
+from cgym.agents.local.sampling import LOOKUP_TOKENS, Sample, sample_batch, sample_turns
 from cgym.agents.local.turn_cache import TurnCache
 from cgym.agents.options import DEFAULT_SAMPLING, SamplingOptions
 from cgym.agents.pretrained import SHORT_NAMES, resolve_model
@@ -162,20 +163,81 @@ class HFPolicy:
         self.context_cuts += len(batch) - len(rows)
         return [self._record(conv, samples.get(row, NOT_SAMPLED)) for row, conv in enumerate(batch)]
 
+    def play(self, batch: Sequence[Conversation], follow: Callable[[int, Turn], Conversation | None]) -> None:
+        """Take turns for `batch` as they come: `follow(slot, turn)` hears the turn of the
+        conversation in `slot` (its place in `batch`) as soon as it is sampled, and returns the
+        conversation whose turn is next in that slot (the same one with the env's reply, or a new
+        episode's) or None to close the slot. A next turn joins the rows still decoding
+        (continuous batching, `agents.local.joins`), so no turn waits for another's longest row.
+        A conversation past `max_context` gets an empty cut turn, as in `act`."""
+        if self.sampling_weights.model is not self.model:
+            self.sampling_weights = SamplingWeights(self.model)
+        model = self.sampling_weights.get()
+        if self.turn_cache is not None:
+            self.turn_cache.keep_only({id(conv) for conv in batch})
+        live: dict[Hashable, tuple[int, Conversation]] = {}  # each sampling turn's slot and conversation, by key
+
+        def ready(slot: int, conv: Conversation | None) -> Request | None:
+            """`conv`'s turn to sample, once the turns past `max_context` are cut."""
+            while conv is not None:
+                self.encoder.sync(conv)
+                if self.max_context is None or len(conv.token_ids) < self.max_context:
+                    live[id(conv)] = (slot, conv)
+                    return Request(conv.token_ids, id(conv))
+                self.context_cuts += 1
+                conv = follow(slot, self._record(conv, NOT_SAMPLED))
+            return None
+
+        def heard(key: Hashable, sample: Sample) -> tuple[Sequence[int], Hashable] | None:
+            slot, conv = live.pop(key)
+            after = follow(slot, self._record(conv, sample))
+            if after is not conv and self.turn_cache is not None:
+                self.turn_cache.forget(key)  # that conversation ended
+            request = ready(slot, after)
+            return None if request is None else (request.prompt, request.key)
+
+        requests = [r for r in (ready(slot, conv) for slot, conv in enumerate(batch)) if r is not None]
+        while requests:
+            chunks = length_chunks([len(r.prompt) for r in requests], room=self.params.max_new_tokens, bytes_per_token=self._kv_bytes(model), budget=self.batch_budget)
+            first = [requests[i] for i in chunks[0]]
+            rest = [requests[i] for chunk in chunks[1:] for i in chunk]
+            requests = sample_turns(
+                model,
+                [r.prompt for r in first],
+                [r.key for r in first],
+                heard,
+                params=self.params,
+                stop_ids=self.stop_ids,
+                pad_id=self._pad_id,
+                bytes_per_token=self._kv_bytes(model),
+                budget=self.batch_budget,
+                generator=self.generator,
+                prefix_cache=self.prefix_cache,
+                turn_cache=self.turn_cache,
+                draft_tokens=self.draft_tokens,
+                waiting=rest,
+            )
+
+    def _kv_bytes(self, model: PreTrainedModel) -> int:
+        return kv_bytes_per_token(model.config, model.dtype.itemsize)
+
+    @property
+    def _pad_id(self) -> int:
+        pad_id = self.tokenizer.pad_token_id
+        return pad_id if pad_id is not None else self.encoder.end_of_turn_id
+
     def _chunks(self, model: PreTrainedModel, batch: Sequence[Conversation]) -> list[list[int]]:
         """Rows that sample together (`agents.local.batching`): similar lengths, within the budget."""
-        per_token = kv_bytes_per_token(model.config, model.dtype.itemsize)
         lengths = [len(conv.token_ids) for conv in batch]
-        return length_chunks(lengths, room=self.params.max_new_tokens, bytes_per_token=per_token, budget=self.batch_budget)
+        return length_chunks(lengths, room=self.params.max_new_tokens, bytes_per_token=self._kv_bytes(model), budget=self.batch_budget)
 
     def _sample(self, model: PreTrainedModel, convs: Sequence[Conversation]) -> list[Sample]:
-        pad_id = self.tokenizer.pad_token_id
         return sample_batch(
             model,
             [conv.token_ids for conv in convs],
             params=self.params,
             stop_ids=self.stop_ids,
-            pad_id=pad_id if pad_id is not None else self.encoder.end_of_turn_id,
+            pad_id=self._pad_id,
             generator=self.generator,
             prefix_cache=self.prefix_cache,
             turn_cache=self.turn_cache,

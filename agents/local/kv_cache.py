@@ -91,6 +91,20 @@ class GrowingLayer(DynamicLayer):
         torch.index_select(buffer[:, :, : self.length], 0, indices, out=kept[:, :, : self.length])
         return kept
 
+    def join(self, other: GrowingLayer, room: int) -> tuple[int, int]:
+        """Take `other`'s rows below these (the same offset, heads and dims), both right-aligned
+        at the longer length, with `room` columns to spare; the columns left of a shorter side
+        are zeros, for a mask to hide. Returns the columns each side moved right by."""
+        assert self._k is not None and self._v is not None and other._k is not None and other._v is not None
+        assert self.offset == other.offset, "rows of different shared prefixes"
+        length = max(self.length, other.length)
+        moved = (length - self.length, length - other.length)
+        self._k = _stacked(self._k, self.length, other._k, other.length, length + room)
+        self._v = _stacked(self._v, self.length, other._v, other.length, length + room)
+        self.length = length
+        self._refresh()
+        return moved
+
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self._k is not None and self._v is not None:
             self._k, self._v = self._k.repeat_interleave(repeats, 0), self._v.repeat_interleave(repeats, 0)
@@ -106,6 +120,17 @@ class GrowingLayer(DynamicLayer):
     def reset(self) -> None:
         self.length, self._k, self._v = 0, None, None
         super().reset()
+
+
+def _stacked(top: Tensor, top_length: int, bottom: Tensor, bottom_length: int, capacity: int) -> Tensor:
+    """(b1 + b2, H, capacity, D): the used columns of two buffers' rows, right-aligned at the
+    longer length, zeros to their left."""
+    length = max(top_length, bottom_length)
+    out = top.new_empty((top.shape[0] + bottom.shape[0], top.shape[1], capacity, top.shape[3]))
+    for rows, buffer, used in ((slice(0, top.shape[0]), top, top_length), (slice(top.shape[0], None), bottom, bottom_length)):
+        out[rows, :, : length - used] = 0
+        out[rows, :, length - used : length] = buffer[:, :, :used]
+    return out
 
 
 class ReadOnlyLayer(DynamicLayer):

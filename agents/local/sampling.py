@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Collection, Hashable, Sequence
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
 import torch
+from cgym.agents.local.joins import Follow, Joins, Request
 from cgym.agents.local.kv_cache import (
     GrowingLayer,
     PrefixCache,
@@ -276,19 +277,88 @@ def sample_batch(
     """
     if not prompts:
         return []
+    if turn_keys is not None and len(turn_keys) != len(prompts):
+        raise ValueError(f"{len(turn_keys)} turn keys for {len(prompts)} prompts")
+    run = _open(model, prompts, turn_keys if turn_cache is not None else None, turn_cache, prefix_cache, share_prefix, draft_tokens)
+    with run.context:
+        return _decode(model, run.prompts, run.head, run.served, params, stop_ids, pad_id, generator, run.rows, run.lookup)
+
+
+@torch.inference_mode()
+def sample_turns(
+    model: PreTrainedModel,
+    prompts: Sequence[Sequence[int]],
+    keys: Sequence[Hashable],
+    follow: Follow,
+    *,
+    params: SamplingOptions,
+    stop_ids: Collection[int],
+    pad_id: int,
+    bytes_per_token: int,
+    budget: int,
+    generator: torch.Generator | None = None,
+    prefix_cache: PrefixCache | None = None,
+    turn_cache: TurnCache | None = None,
+    draft_tokens: int = LOOKUP_TOKENS,
+    waiting: Sequence[Request] = (),
+) -> list[Request]:
+    """Sample a turn for each prompt, and the turns that follow, continuously batched: when a
+    row's turn ends, `follow(key, sample)` hears it and may hand back the next prompt of that
+    conversation (or of another in its place), which joins the running batch (`agents.local.joins`:
+    when, and which). `keys` are the conversations' keys in `follow` and in `turn_cache`.
+    `waiting` turns join as those that follow do (e.g. those past the first batch's budget).
+    Returns the follow-up turns that could not join (those that do not start with the batch's
+    shared head, or all of them where the cache cannot take rows in: a model whose shared head
+    is not served apart, or one with sliding-window layers), for another call."""
+    if len(keys) != len(prompts):
+        raise ValueError(f"{len(keys)} keys for {len(prompts)} prompts")
+    if not prompts:
+        return []
+    run = _open(model, prompts, list(keys), turn_cache, prefix_cache, True, draft_tokens)
+    head_ids = tuple(run.prompts[0][: run.start])
+    joins = Joins(follow, head_ids, bytes_per_token, budget, params.max_new_tokens)
+    for request in waiting:
+        joins.wait(request)
+    with run.context:
+        _decode(model, run.prompts, run.head, run.served, params, stop_ids, pad_id, generator, run.rows, run.lookup, joins, run.keys)
+    return joins.waiting + joins.left_over
+
+
+@dataclass
+class _Run:
+    """A sampling call's set-up: its prompts (joined turns append theirs), the shared head and
+    whether it is served apart, the link to the turn cache, the drafter."""
+
+    prompts: list[Sequence[int]]
+    keys: list[Hashable]
+    head: tuple[list[Tensor], list[Tensor]] | None
+    served: bool
+    start: int  # where each row's own ids begin (0 without a head)
+    rows: _TurnRows | None
+    lookup: PromptLookup | None
+    context: AbstractContextManager[object]
+
+
+def _open(
+    model: PreTrainedModel,
+    prompts: Sequence[Sequence[int]],
+    keys: list[Hashable] | None,
+    turn_cache: TurnCache | None,
+    prefix_cache: PrefixCache | None,
+    share_prefix: bool,
+    draft_tokens: int,
+) -> _Run:
     if min(len(p) for p in prompts) == 0:
         raise ValueError("cannot sample from an empty prompt")
-    shared = common_prefix_len(prompts) if share_prefix else 0
-    head = _prefix_cache_kv(model, prompts[0][:shared], prefix_cache) if shared >= MIN_SHARED_PREFIX else None
+    owned = list(prompts)
+    shared = common_prefix_len(owned) if share_prefix else 0
+    head = _prefix_cache_kv(model, owned[0][:shared], prefix_cache) if shared >= MIN_SHARED_PREFIX else None
     served = head is not None and use_prefix_attention(model)
-    rows = None
-    if turn_cache is not None and turn_keys is not None:
-        if len(turn_keys) != len(prompts):
-            raise ValueError(f"{len(turn_keys)} turn keys for {len(prompts)} prompts")
-        rows = _TurnRows(turn_cache, turn_keys, prompts, shared if head is not None else 0, served)
-    with shared_prefix(*head) if served and head else nullcontext():
-        lookup = PromptLookup(prompts, draft_tokens) if draft_tokens > 0 else None
-        return _decode(model, prompts, head, served, params, stop_ids, pad_id, generator, rows, lookup)
+    start = shared if head is not None else 0
+    rows = _TurnRows(turn_cache, keys, owned, start, served) if turn_cache is not None and keys is not None else None
+    lookup = PromptLookup(owned, draft_tokens) if draft_tokens > 0 else None
+    context = shared_prefix(*head) if served and head else nullcontext()
+    return _Run(owned, keys if keys is not None else [], head, served, start, rows, lookup, context)
 
 
 @dataclass
@@ -314,9 +384,40 @@ class _TurnRows:
             self.cache.put(model, self.keys[row], self.start, ids, keys, values)
 
 
+@dataclass
+class _Batch:
+    """The rows decoding together: `active` holds each one's request (its index in the call's
+    prompts); the cache, and a mask whose first `width` columns it fills (room after); each
+    row's position of its next id."""
+
+    cache: Any
+    mask: Tensor
+    width: int
+    active: Tensor
+    next_pos: Tensor
+
+    def keep(self, rows: Tensor) -> None:
+        self.active, self.next_pos, self.mask = self.active[rows], self.next_pos[rows], self.mask[rows]
+        self.cache.batch_select_indices(rows)
+
+    def join(self, other: _Batch, room: int) -> None:
+        """Take `other`'s rows (the same head, served apart) below these, right-aligned."""
+        offset = self.width - self.cache.layers[0].length  # leading columns held outside the cache
+        moved = [mine.join(theirs, room) for mine, theirs in zip(self.cache.layers, other.cache.layers, strict=True)][0]
+        masks = [_shifted(batch.mask[:, : batch.width], offset, shift, room) for batch, shift in zip((self, other), moved)]
+        self.mask, self.width = torch.cat(masks), max(self.width, other.width)
+        self.active, self.next_pos = torch.cat([self.active, other.active]), torch.cat([self.next_pos, other.next_pos])
+
+
+def _shifted(mask: Tensor, offset: int, shift: int, room: int) -> Tensor:
+    """(b, W) mask with `shift` masked columns put in after its first `offset`, and `room` after."""
+    rows = mask.shape[0]
+    return torch.cat([mask[:, :offset], mask.new_zeros((rows, shift)), mask[:, offset:], mask.new_ones((rows, room))], 1)
+
+
 def _decode(
     model: PreTrainedModel,
-    prompts: Sequence[Sequence[int]],
+    prompts: list[Sequence[int]],
     head: tuple[list[Tensor], list[Tensor]] | None,
     served: bool,
     params: SamplingOptions,
@@ -325,49 +426,96 @@ def _decode(
     generator: torch.Generator | None,
     rows: _TurnRows | None = None,
     lookup: PromptLookup | None = None,
+    joins: Joins | None = None,
+    keys: list[Hashable] | None = None,
 ) -> list[Sample]:
     device = model.device
     steps = params.max_new_tokens
     reuse = rows.cache.take(model, rows.keys, prompts, rows.start) if rows is not None else None
     cache, mask, logits, next_pos = _prefill(model, prompts, head, served, steps, pad_id, reuse)
     del reuse  # the taken entries, copied into the cache: free them before the rows save anew
-    if rows is not None and not all(isinstance(layer, GrowingLayer) for layer in cache.layers):
+    growing = all(isinstance(layer, GrowingLayer) for layer in cache.layers)
+    if rows is not None and not growing:
         rows = None  # e.g. sliding-window layers: not laid out for per-row reuse
+    joinable = joins is not None and growing and (served or head is None)  # a copied head would move
 
     out = _Outputs.empty(len(prompts), steps, pad_id, stop_ids, device)
-    width = mask.shape[1] - steps  # the cache's columns; `mask` has room for `steps` more
-    active = torch.arange(len(prompts), device=device)  # original row of each live row
+    batch = _Batch(cache, mask, mask.shape[1] - steps, torch.arange(len(prompts), device=device), next_pos)
     tok, lp = _pick(logits, params, generator)  # (b,), (b,)
     new_ids, new_lp, emit = tok[:, None], lp[:, None], torch.ones_like(tok)
     while True:
-        kept, done = out.record(active, new_ids, new_lp, emit)
+        kept, done = out.record(batch.active, new_ids, new_lp, emit)
         tok = new_ids.gather(1, (kept - 1).clamp(min=0)[:, None]).squeeze(1)  # each row's last id, not yet fed
         if bool(done.any()):
+            finished = batch.active[done]
             if rows is not None:
-                rows.save(model, cache, mask[:, :width], done.nonzero().squeeze(1), active[done], out.ids, out.count[active[done]] - 1)
+                rows.save(model, batch.cache, batch.mask[:, : batch.width], done.nonzero().squeeze(1), finished, out.ids, out.count[finished] - 1)
+            if joins is not None and keys is not None:
+                for request in finished.tolist():
+                    joins.hear(keys[request], out.sample(request))
             keep = (~done).nonzero().squeeze(1)
-            if keep.numel() == 0:
+            if keep.numel() == 0 and not (joinable and joins is not None and joins.waiting):
                 break
-            active, tok, next_pos, mask = active[keep], tok[keep], next_pos[keep], mask[keep]
-            cache.batch_select_indices(keep)
+            batch.keep(keep)
+            tok = tok[keep]
+        if joinable and joins is not None and keys is not None:
+            tok = _join(model, batch, tok, joins.take(len(batch.active), batch.width), prompts, keys, out, rows, head, served, steps, pad_id)
+        width = batch.width
         drafts = None
-        if lookup is not None and len(active) <= lookup_rows(params.temperature):
-            drafts = lookup.propose({row: out.ids[row, : out.count[row]].tolist() for row in active.tolist()})
+        if lookup is not None and len(batch.active) <= lookup_rows(params.temperature):
+            drafts = lookup.propose({row: out.ids[row, : out.count[row]].tolist() for row in batch.active.tolist()})
         fed = tok[:, None] if drafts is None else torch.cat([tok[:, None], drafts.to(device)], 1)  # (b, n)
         n = fed.shape[1]
-        if width + n > mask.shape[1]:
-            mask = torch.cat([mask, mask.new_ones((mask.shape[0], max(n, steps)))], 1)
-        mask[:, width : width + n] = 1
-        positions = next_pos + torch.arange(n, device=device)
+        if width + n > batch.mask.shape[1]:
+            batch.mask = torch.cat([batch.mask, batch.mask.new_ones((batch.mask.shape[0], max(n, steps)))], 1)
+        batch.mask[:, width : width + n] = 1
+        positions = batch.next_pos + torch.arange(n, device=device)
         if drafts is None:
-            tok, lp = _pick(_next_logits(model, fed, mask[:, : width + n], positions, cache), params, generator)
+            tok, lp = _pick(_next_logits(model, fed, batch.mask[:, : width + n], positions, batch.cache), params, generator)
             new_ids, new_lp, emit = tok[:, None], lp[:, None], torch.ones_like(tok)
         else:
-            new_ids, new_lp, emit = _check_drafts(model, fed, mask[:, : width + n], positions, cache, params, generator)
-            mask[:, width : width + n] = torch.arange(n, device=device) < emit[:, None]  # rejected drafts: masked out
-        next_pos = next_pos + emit[:, None]
-        width += n
+            new_ids, new_lp, emit = _check_drafts(model, fed, batch.mask[:, : width + n], positions, batch.cache, params, generator)
+            batch.mask[:, width : width + n] = torch.arange(n, device=device) < emit[:, None]  # rejected drafts: masked out
+        batch.next_pos = batch.next_pos + emit[:, None]
+        batch.width += n
     return _collect(out.ids.cpu(), out.logprobs.cpu(), out.count.cpu(), out.stopped.cpu())
+
+
+def _join(
+    model: PreTrainedModel,
+    batch: _Batch,
+    tok: Tensor,
+    chosen: list[Request],
+    prompts: list[Sequence[int]],
+    keys: list[Hashable],
+    out: _Outputs,
+    rows: _TurnRows | None,
+    head: tuple[list[Tensor], list[Tensor]] | None,
+    served: bool,
+    steps: int,
+    pad_id: int,
+) -> Tensor:
+    """Put `chosen` turns into the batch; returns each row's id to feed next. A joining row's
+    prompt runs now but for its last id, which goes in with the batch's next step, as the last
+    sampled id of the other rows does: its first id is then drawn with theirs."""
+    if not chosen:
+        return tok
+    first = len(prompts)
+    prompts.extend(request.prompt for request in chosen)
+    keys.extend(request.key for request in chosen)
+    out.grow(len(chosen))
+    leading = [request.prompt[:-1] for request in chosen]
+    reuse = rows.cache.take(model, [request.key for request in chosen], leading, rows.start) if rows is not None else None
+    cache, mask, _, next_pos = _prefill(model, leading, head, served, steps, pad_id, reuse)
+    del reuse
+    device = tok.device
+    joining = _Batch(cache, mask, mask.shape[1] - steps, torch.arange(first, len(prompts), device=device), next_pos)
+    last = torch.tensor([request.prompt[-1] for request in chosen], dtype=tok.dtype, device=device)
+    if len(batch.active) == 0:
+        batch.cache, batch.mask, batch.width, batch.active, batch.next_pos = joining.cache, joining.mask, joining.width, joining.active, joining.next_pos
+        return last
+    batch.join(joining, steps)
+    return torch.cat([tok, last])
 
 
 @dataclass
@@ -389,6 +537,17 @@ class _Outputs:
             torch.zeros(batch, dtype=torch.bool, device=device),
             torch.tensor(sorted(stop_ids), dtype=torch.long, device=device),
         )
+
+    def grow(self, rows: int) -> None:
+        """Room for `rows` more requests (turns that join); columns past a row's count are never read."""
+        self.ids = torch.cat([self.ids, self.ids.new_zeros((rows, self.ids.shape[1]))])
+        self.logprobs = torch.cat([self.logprobs, self.logprobs.new_zeros((rows, self.logprobs.shape[1]))])
+        self.count = torch.cat([self.count, self.count.new_zeros(rows)])
+        self.stopped = torch.cat([self.stopped, self.stopped.new_zeros(rows)])
+
+    def sample(self, row: int) -> Sample:
+        n = int(self.count[row])
+        return Sample(self.ids[row, :n].tolist(), self.logprobs[row, :n].tolist(), bool(self.stopped[row]))
 
     def record(self, active: Tensor, new_ids: Tensor, new_lp: Tensor, emit: Tensor) -> tuple[Tensor, Tensor]:
         """Write each live row's first `emit` of its (b, n) new ids, up to and including its first

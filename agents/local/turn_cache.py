@@ -72,6 +72,10 @@ class TurnCache:
         self.entries[key] = TurnEntry(start, tuple(ids), keys, values, weights_version(model), size)
         self.bytes += size
 
+    def forget(self, key: Hashable) -> None:
+        """Forget one conversation (it ended)."""
+        self._pop(key)
+
     def keep_only(self, keys: Collection[Hashable]) -> None:
         """Forget every conversation not in `keys`."""
         for key in [k for k in self.entries if k not in keys]:
