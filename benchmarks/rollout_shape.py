@@ -4,10 +4,10 @@
 
 Samples `--tasks` x `--group` ApiReport episodes as a GRPO step does (each group one task, the
 training sampling settings) and reports, from the episodes' turns and token ledgers:
-- decode steps when every turn waits for its longest row (`lockstep_steps`, how sampling runs)
+- decode steps when every turn waits for its longest row (`lockstep_steps`, how `act` samples)
   against the longest episode's sampled tokens (`chained_steps`: no schedule takes fewer, not
-  even one where a row rejoins the decode as soon as its env answers), and the rows a step carries
-  in each;
+  even `play`'s, where a row rejoins the decode as soon as its env answers), and the rows a step
+  carries in each;
 - the columns the loss pass runs past the shared head with micro-batches sorted by length and
   with `trainer.rollout.group_micro_batches`' plan, and the nodes of its prefix trees
   (`trainer.rollout.tree_micro_batches`, `agents.local.prefix_tree`: what rows share runs once).

@@ -56,6 +56,12 @@ class HFPolicy:
     sampled, and gets an empty turn, cut like one that hit `max_new_tokens` (its end-of-turn
     token unsampled, `Turn.truncated`), which the env then scores as it scores any empty reply.
     `context_cuts` counts such turns. None: no limit.
+
+    `continuous` says how `play` schedules turns: True joins each next turn to the rows still
+    decoding, False runs them in lockstep as `act` does, None (the default) joins sampled turns
+    and runs greedy ones in lockstep. A 4 x 8 sampled GRPO rollout took 1.22x less time a sampled
+    id joined; the 100-episode greedy eval of ApiReport easy took 29.3-29.9 s joined against
+    25.3-27.9 s in lockstep, whose few-row tails draft ids that greedy turns mostly keep.
     """
 
     def __init__(
@@ -68,6 +74,7 @@ class HFPolicy:
         name: str | None = None,
         draft_tokens: int = LOOKUP_TOKENS,
         max_context: int | None | Literal["model"] = "model",
+        continuous: bool | None = None,
     ) -> None:
         if max_context == "model":
             max_context = getattr(model.config, "max_position_embeddings", None)
@@ -76,6 +83,7 @@ class HFPolicy:
         self.max_context = max_context
         self.context_cuts = 0  # turns not sampled because the conversation filled max_context
         self.draft_tokens = draft_tokens  # prompt-lookup drafts per step once few rows are left (0: off)
+        self.continuous = continuous
         self.params = sampling
         self.model = model.to(device).eval()
         self.tokenizer = tokenizer
@@ -169,7 +177,12 @@ class HFPolicy:
         conversation whose turn is next in that slot (the same one with the env's reply, or a new
         episode's) or None to close the slot. A next turn joins the rows still decoding
         (continuous batching, `agents.local.joins`), so no turn waits for another's longest row.
-        A conversation past `max_context` gets an empty cut turn, as in `act`."""
+        A conversation past `max_context` gets an empty cut turn, as in `act`. Where
+        `continuous` (above) says lockstep, the live conversations take each turn together."""
+        joined = self.continuous if self.continuous is not None else self.params.temperature > 0
+        if not joined:
+            self._lockstep(batch, follow)
+            return
         if self.sampling_weights.model is not self.model:
             self.sampling_weights = SamplingWeights(self.model)
         model = self.sampling_weights.get()
@@ -217,6 +230,13 @@ class HFPolicy:
                 draft_tokens=self.draft_tokens,
                 waiting=rest,
             )
+
+    def _lockstep(self, batch: Sequence[Conversation], follow: Callable[[int, Turn], Conversation | None]) -> None:
+        live = list(enumerate(batch))
+        while live:
+            turns = self.act([conv for _, conv in live])
+            after = [(slot, follow(slot, turn)) for (slot, _), turn in zip(live, turns, strict=True)]
+            live = [(slot, conv) for slot, conv in after if conv is not None]
 
     def _kv_bytes(self, model: PreTrainedModel) -> int:
         return kv_bytes_per_token(model.config, model.dtype.itemsize)

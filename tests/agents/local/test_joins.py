@@ -50,16 +50,22 @@ class Stopping(HFPolicy):
         return {*super().stop_ids, *range(0, self.model.config.vocab_size, 5)}
 
 
-def policy_for(tiny_dir: Path, temperature: float, attention: str = "sdpa") -> HFPolicy:
+def policy_for(tiny_dir: Path, temperature: float, attention: str = "sdpa", continuous: bool | None = True) -> HFPolicy:
     """The tiny model with weights drawn wider, so that its greedy ids vary (as built, it says
     the same id over and over)."""
-    model = AutoModelForCausalLM.from_pretrained(tiny_dir, attn_implementation=attention)
+    model = widened(AutoModelForCausalLM.from_pretrained(tiny_dir, attn_implementation=attention))
+    return Stopping(
+        model, AutoTokenizer.from_pretrained(tiny_dir), sampling=SamplingOptions(temperature=temperature, max_new_tokens=10, seed=3), continuous=continuous
+    )
+
+
+def widened(model: torch.nn.Module) -> torch.nn.Module:
     torch.manual_seed(0)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" not in name:
                 param.normal_(0, 0.2)
-    return Stopping(model, AutoTokenizer.from_pretrained(tiny_dir), sampling=SamplingOptions(temperature=temperature, max_new_tokens=10, seed=3))
+    return model
 
 
 def reply(slot: int, turn: int) -> dict[str, str]:
@@ -137,6 +143,19 @@ def test_greedy_turns_that_join_are_the_lockstep_turns(tiny_dir: Path, attention
     assert policy.turn_cache is not None and not policy.turn_cache.entries  # every conversation ended: nothing kept
 
 
+def test_greedy_turns_play_in_lockstep_unless_asked(tiny_dir: Path, moves: list[tuple[int, int]]) -> None:
+    """By default `play` joins sampled turns only: greedy ones take their turns together."""
+    policy = policy_for(tiny_dir, 0.0, continuous=None)
+    got = streamed(policy, conversations())
+    want = lockstep(policy_for(tiny_dir, 0.0), conversations())
+    assert [[t.token_ids for t in row] for row in got] == [[t.token_ids for t in row] for row in want]
+    assert not moves
+    policy_for(tiny_dir, 1.0, continuous=None).play(conversations()[:3], lambda slot, turn: None)
+    assert moves == []  # one turn each: nothing waits to join
+    streamed(policy_for(tiny_dir, 1.0, continuous=None), conversations())
+    assert moves
+
+
 def test_sampled_turns_that_join_keep_an_exact_ledger(tiny_dir: Path, moves: list[tuple[int, int]]) -> None:
     """At temperature 1, every stored log-prob is the one a training forward pass recomputes."""
     policy = policy_for(tiny_dir, 1.0)
@@ -147,20 +166,21 @@ def test_sampled_turns_that_join_keep_an_exact_ledger(tiny_dir: Path, moves: lis
         assert_ledger_reproduced(policy.model, conv)
 
 
-def test_episodes_played_continuously_are_those_played_in_lockstep(tiny_chat_model: Path) -> None:
+def test_episodes_played_continuously_are_those_played_in_lockstep(tiny_chat_model: Path, moves: list[tuple[int, int]]) -> None:
     """`run_episodes` with a policy that can `play`: more seeds than envs (a finished episode's
-    env takes the next seed), the same episodes as in lockstep, in seed order, each reported once."""
-    model = AutoModelForCausalLM.from_pretrained(tiny_chat_model)
+    env takes the next seed), the same episodes as in lockstep, in seed order, each reported once;
+    and turns do join."""
+    model = widened(AutoModelForCausalLM.from_pretrained(tiny_chat_model))
     tokenizer = AutoTokenizer.from_pretrained(tiny_chat_model)
     results = {}
     for arm in ("continuous", "lockstep"):
-        policy = HFPolicy(model, tokenizer, sampling=SamplingOptions(temperature=0.0, max_new_tokens=24))
+        policy = Stopping(model, tokenizer, sampling=SamplingOptions(temperature=0.0, max_new_tokens=24), continuous=True)
         if arm == "lockstep":
             policy.play = None  # type: ignore[method-assign]
         done: list[EpisodeResult] = []
         results[arm] = run_episodes(lambda: gym.make("cgym/ApiReport-v0", difficulty="easy"), policy, [5, 6, 7, 8, 9, 10], batch_size=4, on_done=done.append)
         assert sorted(r.seed for r in done) == [5, 6, 7, 8, 9, 10]
-    assert [r.seed for r in results["continuous"]] == [5, 6, 7, 8, 9, 10]
+    assert [r.seed for r in results["continuous"]] == [5, 6, 7, 8, 9, 10] and moves
     for a, b in zip(results["continuous"], results["lockstep"], strict=True):
         assert (a.reward, a.success, a.codes) == (b.reward, b.success, b.codes)
         assert [t.token_ids for t in a.turns] == [t.token_ids for t in b.turns]
