@@ -23,10 +23,10 @@ from rich.console import Console
 ENV_ID = "cgym/ApiReport-v0"
 WEAK_SFT = 0.05
 WEAK_SFT_HINT = "the SFT'd model solved almost no test task, so GRPO had little to sharpen; try a larger --sft-demos or another --seed"
-# Seconds on 2 quiet cores (SmolLM2, ApiReport easy), for the printed estimate only.
-SECONDS_PER_DEMO = 2.2
-SECONDS_PER_GRPO_STEP = 75.0
-SECONDS_PER_EVAL = 60.0
+# Seconds on 2 quiet cores (SmolLM2, ApiReport easy), for the printed estimate only: (SFT demo,
+# GRPO step of 2 x 8, 100-episode eval) in fp32, and where the CPU computes in bf16 (2e1fed0,
+# `quickstart_seed1_continuous_s16.json`: SFT 77 s for 64 demos, GRPO 44 s for 4 steps, compare 87 s).
+SECONDS_PER = {"float32": (2.2, 75.0, 60.0), "bfloat16": (1.2, 11.0, 29.0)}
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,10 @@ class QuickstartPlan:
     @property
     def expected_seconds(self) -> float:
         """About how long the run takes on 2 quiet cores (3 evaluations)."""
-        return self.sft_demos * self.sft_epochs * SECONDS_PER_DEMO + self.train_steps * SECONDS_PER_GRPO_STEP + 3 * SECONDS_PER_EVAL * self.eval_episodes / 100
+        from cgym.agents.local.precision import compute_dtype
+
+        demo, step, evaluation = SECONDS_PER[str(compute_dtype()).removeprefix("torch.")]
+        return self.sft_demos * self.sft_epochs * demo + self.train_steps * step + 3 * evaluation * self.eval_episodes / 100
 
 
 def run(out: Path, plan: QuickstartPlan = QuickstartPlan(), *, console: Console | None = None) -> dict[str, Any]:
