@@ -6,7 +6,8 @@
 Each round samples `--tasks` x `--group` ApiReport episodes twice, as a GRPO step does (the
 trainer's sampler, LoRA folded in, the training sampling settings): once through `policy.act`,
 every turn of the batch waiting for its longest row, and once through `policy.play`, each
-conversation's next turn joining the rows still decoding (`agents.local.joins`). The arms draw
+conversation's next turn joining the rows still decoding (`agents.local.joins`,
+`HFPolicy(continuous=True)`). The arms draw
 different random numbers, so their episodes differ: compare the milliseconds per sampled id and
 the forward calls (prefills and decode steps), not the wall times alone; the success rates
 should agree within sampling noise.
@@ -32,14 +33,12 @@ def rollout(state: Any, seeds: list[int], env_id: str, arm: str, forwards: list[
     from cgym.trainer import grpo
 
     policy = state.sampler
-    policy.__dict__.pop("play", None)
-    if arm == "lockstep":
-        policy.play = None  # run_episodes then takes turns through `act`
+    policy.continuous = arm == "continuous"
     forwards.clear()
     start = time.perf_counter()
     trajectories = grpo._rollout_groups(state, seeds, [env_id] * len(seeds), 1)
     seconds = time.perf_counter() - start
-    policy.__dict__.pop("play", None)
+    policy.continuous = False
     policy.drop_caches()
     sampled = sum(t.sampled_tokens for t in trajectories)
     return {

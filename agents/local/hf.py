@@ -58,10 +58,12 @@ class HFPolicy:
     `context_cuts` counts such turns. None: no limit.
 
     `continuous` says how `play` schedules turns: True joins each next turn to the rows still
-    decoding, False runs them in lockstep as `act` does, None (the default) joins sampled turns
-    and runs greedy ones in lockstep. A 4 x 8 sampled GRPO rollout took 1.22x less time a sampled
-    id joined; the 100-episode greedy eval of ApiReport easy took 29.3-29.9 s joined against
-    25.3-27.9 s in lockstep, whose few-row tails draft ids that greedy turns mostly keep.
+    decoding (continuous batching), False (the default) runs the live conversations' turns
+    together, as `act` does. Joined, a 4 x 8 sampled GRPO rollout took 1.22x less time a sampled
+    id, and the 100-episode greedy eval of ApiReport easy 29.3-29.9 s against 25.3-27.9 s. It is
+    off by default because one three-seed quickstart run trained with it gained less (+38 points
+    [-7, +73] against +68 [+59, +77], benchmarks/RESULTS.md); whether that was chance, more seeds
+    have to say.
     """
 
     def __init__(
@@ -74,7 +76,7 @@ class HFPolicy:
         name: str | None = None,
         draft_tokens: int = LOOKUP_TOKENS,
         max_context: int | None | Literal["model"] = "model",
-        continuous: bool | None = None,
+        continuous: bool = False,
     ) -> None:
         if max_context == "model":
             max_context = getattr(model.config, "max_position_embeddings", None)
@@ -178,9 +180,8 @@ class HFPolicy:
         episode's) or None to close the slot. A next turn joins the rows still decoding
         (continuous batching, `agents.local.joins`), so no turn waits for another's longest row.
         A conversation past `max_context` gets an empty cut turn, as in `act`. Where
-        `continuous` (above) says lockstep, the live conversations take each turn together."""
-        joined = self.continuous if self.continuous is not None else self.params.temperature > 0
-        if not joined:
+        `continuous` (above) is False, the live conversations take each turn together."""
+        if not self.continuous:
             self._lockstep(batch, follow)
             return
         if self.sampling_weights.model is not self.model:

@@ -50,7 +50,7 @@ class Stopping(HFPolicy):
         return {*super().stop_ids, *range(0, self.model.config.vocab_size, 5)}
 
 
-def policy_for(tiny_dir: Path, temperature: float, attention: str = "sdpa", continuous: bool | None = True) -> HFPolicy:
+def policy_for(tiny_dir: Path, temperature: float, attention: str = "sdpa", continuous: bool = True) -> HFPolicy:
     """The tiny model with weights drawn wider, so that its greedy ids vary (as built, it says
     the same id over and over)."""
     model = widened(AutoModelForCausalLM.from_pretrained(tiny_dir, attn_implementation=attention))
@@ -143,16 +143,16 @@ def test_greedy_turns_that_join_are_the_lockstep_turns(tiny_dir: Path, attention
     assert policy.turn_cache is not None and not policy.turn_cache.entries  # every conversation ended: nothing kept
 
 
-def test_greedy_turns_play_in_lockstep_unless_asked(tiny_dir: Path, moves: list[tuple[int, int]]) -> None:
-    """By default `play` joins sampled turns only: greedy ones take their turns together."""
-    policy = policy_for(tiny_dir, 0.0, continuous=None)
-    got = streamed(policy, conversations())
-    want = lockstep(policy_for(tiny_dir, 0.0), conversations())
-    assert [[t.token_ids for t in row] for row in got] == [[t.token_ids for t in row] for row in want]
+def test_turns_play_in_lockstep_unless_asked(tiny_dir: Path, moves: list[tuple[int, int]]) -> None:
+    """By default `play` runs the live conversations' turns together, greedy or sampled."""
+    for temperature in (0.0, 1.0):
+        got = streamed(policy_for(tiny_dir, temperature, continuous=False), conversations())
+        want = lockstep(policy_for(tiny_dir, temperature), conversations())
+        assert [[t.token_ids for t in row] for row in got] == [[t.token_ids for t in row] for row in want]
     assert not moves
-    policy_for(tiny_dir, 1.0, continuous=None).play(conversations()[:3], lambda slot, turn: None)
-    assert moves == []  # one turn each: nothing waits to join
-    streamed(policy_for(tiny_dir, 1.0, continuous=None), conversations())
+    tiny = policy_for(tiny_dir, 1.0)
+    assert HFPolicy(tiny.model, tiny.tokenizer).continuous is False
+    streamed(policy_for(tiny_dir, 1.0, continuous=True), conversations())
     assert moves
 
 
