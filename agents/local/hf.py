@@ -61,9 +61,8 @@ class HFPolicy:
     decoding (continuous batching), False (the default) runs the live conversations' turns
     together, as `act` does. Joined, a 4 x 8 sampled GRPO rollout took 1.22x less time a sampled
     id, and the 100-episode greedy eval of ApiReport easy 29.3-29.9 s against 25.3-27.9 s. It is
-    off by default because one three-seed quickstart run trained with it gained less (+38 points
-    [-7, +73] against +68 [+59, +77], benchmarks/RESULTS.md); whether that was chance, more seeds
-    have to say.
+    off by default: over six quickstart seeds, SFT + GRPO reached 64% trained with it against 87%
+    in lockstep (benchmarks/RESULTS.md), and why is not yet found.
     """
 
     def __init__(
