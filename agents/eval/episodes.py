@@ -120,8 +120,9 @@ def run_episodes(
     pinned to one of them: worth it when steps wait on I/O (an HTTP API with latency), not for
     CPU-bound envs under the GIL. The pinning lasts this call (a `pool` env may move thread between
     calls). Results and the order of `on_done` are those of `workers=1`. With one worker, a
-    policy that has `play` streams its turns (each env steps as its turn ends); `on_done` then
-    hears episodes in the order they finish.
+    policy that has `play` streams its turns (each env steps as its turn ends), unless its
+    `continuous` is False (`HFPolicy`'s default); `on_done` then hears episodes in the order they
+    finish.
     `conversation_for(i, conv)` may replace the opening conversation of the i-th episode (e.g.
     with a refinement prompt); the env still scores the episode it started from that seed.
     `pool` reuses (and grows) a caller-owned list of envs instead of building new ones.
@@ -138,7 +139,7 @@ def run_episodes(
     free = list(envs)
     live: dict[int, _Slot] = {}
     results: dict[int, EpisodeResult] = {}
-    if workers == 1 and callable(getattr(policy, "play", None)):
+    if workers == 1 and callable(getattr(policy, "play", None)) and getattr(policy, "continuous", True):
         _stream(policy, queue, envs, results, on_done, conversation_for, options_for)
         if pool is None:
             for env in envs:

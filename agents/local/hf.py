@@ -57,9 +57,9 @@ class HFPolicy:
     token unsampled, `Turn.truncated`), which the env then scores as it scores any empty reply.
     `context_cuts` counts such turns. None: no limit.
 
-    `continuous` says how `play` schedules turns: True joins each next turn to the rows still
-    decoding (continuous batching), False (the default) runs the live conversations' turns
-    together, as `act` does. Joined, a 4 x 8 sampled GRPO rollout took 1.22x less time a sampled
+    `continuous` says how `run_episodes` schedules turns: True streams them through `play`, which
+    joins each next turn to the rows still decoding (continuous batching); False (the default)
+    runs the live conversations' turns together through `act`. Joined, a 4 x 8 sampled GRPO rollout took 1.22x less time a sampled
     id, and the 100-episode greedy eval of ApiReport easy 29.3-29.9 s against 25.3-27.9 s. It is
     off by default: over six quickstart seeds, SFT + GRPO reached 64% trained with it against 87%
     in lockstep (benchmarks/RESULTS.md), and why is not yet found.
@@ -178,11 +178,7 @@ class HFPolicy:
         conversation whose turn is next in that slot (the same one with the env's reply, or a new
         episode's) or None to close the slot. A next turn joins the rows still decoding
         (continuous batching, `agents.local.joins`), so no turn waits for another's longest row.
-        A conversation past `max_context` gets an empty cut turn, as in `act`. Where
-        `continuous` (above) is False, the live conversations take each turn together."""
-        if not self.continuous:
-            self._lockstep(batch, follow)
-            return
+        A conversation past `max_context` gets an empty cut turn, as in `act`."""
         if self.sampling_weights.model is not self.model:
             self.sampling_weights = SamplingWeights(self.model)
         model = self.sampling_weights.get()
@@ -230,13 +226,6 @@ class HFPolicy:
                 draft_tokens=self.draft_tokens,
                 waiting=rest,
             )
-
-    def _lockstep(self, batch: Sequence[Conversation], follow: Callable[[int, Turn], Conversation | None]) -> None:
-        live = list(enumerate(batch))
-        while live:
-            turns = self.act([conv for _, conv in live])
-            after = [(slot, follow(slot, turn)) for (slot, _), turn in zip(live, turns, strict=True)]
-            live = [(slot, conv) for slot, conv in after if conv is not None]
 
     def _kv_bytes(self, model: PreTrainedModel) -> int:
         return kv_bytes_per_token(model.config, model.dtype.itemsize)

@@ -143,17 +143,27 @@ def test_greedy_turns_that_join_are_the_lockstep_turns(tiny_dir: Path, attention
     assert policy.turn_cache is not None and not policy.turn_cache.entries  # every conversation ended: nothing kept
 
 
-def test_turns_play_in_lockstep_unless_asked(tiny_dir: Path, moves: list[tuple[int, int]]) -> None:
-    """By default `play` runs the live conversations' turns together, greedy or sampled."""
-    for temperature in (0.0, 1.0):
-        got = streamed(policy_for(tiny_dir, temperature, continuous=False), conversations())
-        want = lockstep(policy_for(tiny_dir, temperature), conversations())
-        assert [[t.token_ids for t in row] for row in got] == [[t.token_ids for t in row] for row in want]
-    assert not moves
-    tiny = policy_for(tiny_dir, 1.0)
-    assert HFPolicy(tiny.model, tiny.tokenizer).continuous is False
-    streamed(policy_for(tiny_dir, 1.0, continuous=True), conversations())
-    assert moves
+def test_episodes_play_in_lockstep_unless_asked(tiny_chat_model: Path, moves: list[tuple[int, int]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """By default `run_episodes` takes turns through `act`, every live conversation together;
+    `continuous=True` streams them through `play`, where turns join."""
+    model = widened(AutoModelForCausalLM.from_pretrained(tiny_chat_model))
+    tokenizer = AutoTokenizer.from_pretrained(tiny_chat_model)
+    played: list[int] = []
+    play = HFPolicy.play
+
+    def spy(self: HFPolicy, batch: list[Conversation], follow: object) -> None:
+        played.append(len(batch))
+        play(self, batch, follow)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(HFPolicy, "play", spy)
+    make = lambda: gym.make("cgym/ApiReport-v0", difficulty="easy")  # noqa: E731
+    policy = Stopping(model, tokenizer, sampling=SamplingOptions(temperature=1.0, max_new_tokens=24))
+    assert policy.continuous is False
+    run_episodes(make, policy, [5, 6, 7, 8, 9, 10], batch_size=4)
+    assert not played and not moves
+    policy.continuous = True
+    run_episodes(make, policy, [5, 6, 7, 8, 9, 10], batch_size=4)
+    assert played == [4] and moves
 
 
 def test_sampled_turns_that_join_keep_an_exact_ledger(tiny_dir: Path, moves: list[tuple[int, int]]) -> None:
@@ -174,9 +184,7 @@ def test_episodes_played_continuously_are_those_played_in_lockstep(tiny_chat_mod
     tokenizer = AutoTokenizer.from_pretrained(tiny_chat_model)
     results = {}
     for arm in ("continuous", "lockstep"):
-        policy = Stopping(model, tokenizer, sampling=SamplingOptions(temperature=0.0, max_new_tokens=24), continuous=True)
-        if arm == "lockstep":
-            policy.play = None  # type: ignore[method-assign]
+        policy = Stopping(model, tokenizer, sampling=SamplingOptions(temperature=0.0, max_new_tokens=24), continuous=arm == "continuous")
         done: list[EpisodeResult] = []
         results[arm] = run_episodes(lambda: gym.make("cgym/ApiReport-v0", difficulty="easy"), policy, [5, 6, 7, 8, 9, 10], batch_size=4, on_done=done.append)
         assert sorted(r.seed for r in done) == [5, 6, 7, 8, 9, 10]
