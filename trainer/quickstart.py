@@ -79,6 +79,7 @@ def run(out: Path, plan: QuickstartPlan = QuickstartPlan(), *, console: Console 
     from cgym.agents.eval.compare import compare
     from cgym.agents.eval.evaluate import EvalConfig
     from cgym.agents.eval.report import write_reports
+    from cgym.agents.local.allocator import release_freed_memory
     from cgym.agents.local.hf import HFPolicy
     from cgym.agents.options import SamplingOptions
     from cgym.agents.pretrained import resolve_model
@@ -97,6 +98,7 @@ def run(out: Path, plan: QuickstartPlan = QuickstartPlan(), *, console: Console 
     console.print(f"expected: about {plan.expected_seconds / 60:.0f} minutes on 2 quiet cores (the work is fixed by step counts; a busier machine takes longer and gets the same model)")
 
     def phase(name: str) -> None:
+        release_freed_memory()  # the phase's tensors are garbage now: the next phase's peak starts low
         timings[name] = round(time.perf_counter() - started - sum(timings.values()), 1)
         memory[name] = peak_rss_gb()  # the process's high-water mark so far
         console.print(f"[green]done[/green] {name} in {timings[name]:.0f}s (total {time.perf_counter() - started:.0f}s)")

@@ -8,12 +8,16 @@ SmolLM2 went from 79 s to 59 s, and a GRPO step from 152 s to 134 s. The cost: f
 stays with the process, for its next tensors, instead of going back to the OS, and the peak
 resident size grew 10-12% in those runs (9.6 GB against 8.6 GB over an eval and three GRPO
 steps). `CGYM_MALLOC=default` leaves glibc's settings alone.
+
+A long run of several phases (the quickstart: SFT, GRPO, three evals) would stand each phase's
+peak on the heap the ones before it kept; `release_freed_memory` between phases hands it back.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import gc
 import os
 import sys
 from functools import cache
@@ -34,3 +38,18 @@ def keep_freed_memory() -> bool:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return bool(mallopt(M_MMAP_THRESHOLD, KEEP_BELOW)) and bool(mallopt(M_TRIM_THRESHOLD, KEEP_BELOW))
+
+
+def release_freed_memory() -> bool:
+    """Hand the memory the process freed back to the OS (a phase of a long run is over: its
+    tensors are garbage, and the next phase's peak should not stand on them). Collects Python's
+    cycles, then glibc's `malloc_trim(0)`. True when glibc trimmed something."""
+    gc.collect()
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return bool(trim(0))
