@@ -463,7 +463,7 @@ def _update(state: TrainState, trajs: list[Trajectory], advantages: torch.Tensor
     ids, groups = [trajs[row].ids for row in learning], [trajs[row].group for row in learning]
     chunks = tree_micro_batches(ids, groups) if tree else group_micro_batches(ids, groups, cfg.micro_batch_size)  # a group's rows together; sized by tokens, like SFT's
     logprobs = tree_logprobs if tree else sequence_logprobs
-    with frozen_weights_cast(state.model, fuse_adapters=True):  # frozen LoRA base weights cast once per update, not per call; adapters in their base products
+    with frozen_weights_cast(state.model):  # frozen LoRA base weights cast once per update, not per call
         for iteration in range(cfg.num_iterations):
             head = batch_head(state.model, moving.ids, moving.attention, moving.mask) if moving is not None else None  # run once per optimizer step
             for chunk, rows in enumerate(chunks):

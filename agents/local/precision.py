@@ -15,7 +15,6 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from functools import cache, partial
 
 import torch
-from cgym.agents.local.fused_lora import fusable, fuse
 from cgym.agents.local.kv_cache import FOLDED_FROM, weights_version
 from cgym.agents.local.lean_layers import sampling_model
 from cgym.agents.local.lora import folded, has_adapters, refold
@@ -55,7 +54,7 @@ def autocast(model: torch.nn.Module) -> AbstractContextManager[object]:
 
 
 @contextmanager
-def frozen_weights_cast(model: torch.nn.Module, *, fuse_adapters: bool = False) -> Iterator[int]:
+def frozen_weights_cast(model: torch.nn.Module) -> Iterator[int]:
     """Within the block, the frozen linear layers of fp32 `model` (a LoRA model's base layers and
     its tied LM head) read one copy of their weights in the compute dtype, made at entry, under
     `autocast`; yields how many layers that covers (0 where nothing changes: fp32 compute, a
@@ -69,32 +68,24 @@ def frozen_weights_cast(model: torch.nn.Module, *, fuse_adapters: bool = False) 
     (`tests/agents/local/test_precision.py`). Outside autocast, or in another dtype, a layer
     reads its own weights as before. Hold it over a whole update, not across a weight change of
     the frozen layers (nothing in training changes them).
-
-    `fuse_adapters`: each plain LoRA layer runs its base and adapter products as one matmul
-    (`agents.local.fused_lora`), its base weight cast once into the joined weight: not bit for
-    bit autocast's, since the sum rounds once instead of three times.
     """
     param = next(model.parameters(), None)
     dtype = compute_dtype(param.device) if param is not None else torch.float32
     if param is None or dtype == torch.float32 or param.dtype != torch.float32:
         yield 0
         return
-    fused = [m for m in model.modules() if fuse_adapters and fusable(m)]
-    under = {id(m.base_layer) for m in fused}
-    frozen = [m for m in model.modules() if type(m) is torch.nn.Linear and not any(p.requires_grad for p in m.parameters()) and id(m) not in under]
+    frozen = [m for m in model.modules() if type(m) is torch.nn.Linear and not any(p.requires_grad for p in m.parameters())]
     adapters = [m for m in model.modules() if callable(getattr(m, "_cast_input_dtype", None))]
     flags = [m.__dict__.get("cast_input_dtype_enabled") for m in adapters]
     for layer in frozen:
         bias = None if layer.bias is None else layer.bias.detach().to(dtype)
         layer.forward = partial(_linear_in, layer, layer.weight.detach().to(dtype), bias)  # the instance's, over the class's
-    for layer in fused:
-        fuse(layer, dtype)
     for adapter in adapters:
         adapter.cast_input_dtype_enabled = False
     try:
-        yield len(frozen) + len(fused)
+        yield len(frozen)
     finally:
-        for layer in (*frozen, *fused):
+        for layer in frozen:
             del layer.forward
         for adapter, flag in zip(adapters, flags, strict=True):
             if flag is None:
