@@ -59,10 +59,11 @@ class HFPolicy:
 
     `continuous` says how `run_episodes` schedules turns: True streams them through `play`, which
     joins each next turn to the rows still decoding (continuous batching); False (the default)
-    runs the live conversations' turns together through `act`. Joined, a 4 x 8 sampled GRPO rollout took 1.22x less time a sampled
-    id, and the 100-episode greedy eval of ApiReport easy 29.3-29.9 s against 25.3-27.9 s. It is
-    off by default: over six quickstart seeds, SFT + GRPO reached 64% trained with it against 87%
-    in lockstep (benchmarks/RESULTS.md), and why is not yet found.
+    runs the live conversations' turns together through `act`. Joined, a 4 x 8 sampled GRPO
+    rollout took 1.22x less time a sampled id, and the 100-episode greedy eval of ApiReport easy
+    29.3-29.9 s against 25.3-27.9 s. It is off by default: over eighteen quickstart seeds, SFT +
+    GRPO reached 81% trained with it against 90% in lockstep, two of its seeds collapsing
+    (benchmarks/RESULTS.md), for a reason not yet found.
     """
 
     def __init__(
