@@ -132,7 +132,12 @@ def run(out: Path, plan: QuickstartPlan = QuickstartPlan(), *, console: Console 
         ("SFT", lambda: HFPolicy.from_pretrained(out / "sft", **greedy)),
         (f"SFT + GRPO{' (' + plan.critique + ' critiques)' if plan.critique != 'none' else ''}", lambda: HFPolicy.from_pretrained(trained["final"], **greedy)),
     ]
-    result = compare(arms, eval_config, on_arm=lambda label: console.print(f"evaluating {label} ..."))
+
+    def on_arm(label: str) -> None:
+        release_freed_memory()  # the arm before is garbage now: this one's peak starts low
+        console.print(f"evaluating {label} ...")
+
+    result = compare(arms, eval_config, on_arm=on_arm)
     phase("compare")
     timings["total"] = round(time.perf_counter() - started, 1)
     summary = _summary(result, timings, memory, plan)

@@ -9,7 +9,6 @@ from cgym.agents.base import Policy
 from cgym.agents.eval.episodes import EpisodeResult
 from cgym.agents.eval.evaluate import EvalConfig, evaluate
 from cgym.agents.eval.paired import PairedDifference, paired_difference
-from cgym.agents.local.allocator import release_freed_memory
 
 MAX_DISAGREEMENTS = 40
 
@@ -34,7 +33,6 @@ def compare(arms: Sequence[tuple[str, Arm]], config: EvalConfig, *, on_arm: Call
         if on_arm:
             on_arm(label)
         summaries[label], results[label] = evaluate(arm if isinstance(arm, Policy) else arm(), config)
-        release_freed_memory()  # an arm built here is garbage now: the next one's peak starts low
     first, last = arms[0][0], arms[-1][0]
     return {
         "env": config.env_id,
