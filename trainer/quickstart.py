@@ -181,5 +181,5 @@ def _summary(result: dict[str, Any], timings: dict[str, float], memory: dict[str
 
 def _timing_md(summary: dict[str, Any]) -> str:
     memory = summary["peak_rss_gb"]
-    rows = "\n".join(f"| {phase} | {seconds:.0f} s | {f'{memory[phase]:.2f} GB' if phase in memory else ''} |" for phase, seconds in summary["timings_s"].items())
+    rows = "\n".join(f"| {phase} | {seconds:.0f} s | {f'{memory[phase]:.2f} GiB' if phase in memory else ''} |" for phase, seconds in summary["timings_s"].items())
     return f"## Timings\n\n| phase | time | peak memory so far |\n|---|---|---|\n{rows}\n\nCurve: grpo/curve.png"

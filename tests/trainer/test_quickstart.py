@@ -36,7 +36,7 @@ def test_quickstart_writes_the_reports_and_the_figures(tmp_path: Path, tiny_chat
     for model in ("sft", "grpo/final"):  # the layout is the SFT'd model's, and GRPO's model keeps it
         assert tool_layout(load_tokenizer(tmp_path / model)) == "compact", model
     assert summary["tool_layout"] == "compact"
-    assert f"| sft | {summary['timings_s']['sft']:.0f} s | {summary['peak_rss_gb']['sft']:.2f} GB |" in (tmp_path / "report.md").read_text()
+    assert f"| sft | {summary['timings_s']['sft']:.0f} s | {summary['peak_rss_gb']['sft']:.2f} GiB |" in (tmp_path / "report.md").read_text()
     assert json.loads((tmp_path / "quickstart.json").read_text()) == summary
     printed = console.export_text()
     assert "report.html" in printed and "expected: about" in printed and "GRPO's own gain" in printed
