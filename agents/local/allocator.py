@@ -21,6 +21,7 @@ import gc
 import os
 import sys
 from functools import cache
+from typing import Any
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (glibc's malloc.h)
 KEEP_BELOW = 1 << 30  # allocations up to 1 GiB come from the heap; up to 1 GiB of free top is kept
@@ -30,14 +31,10 @@ KEEP_BELOW = 1 << 30  # allocations up to 1 GiB come from the heap; up to 1 GiB 
 def keep_freed_memory() -> bool:
     """Raise glibc's mmap and trim thresholds to `KEEP_BELOW` (once per process). True when
     set; False on other platforms or C libraries, or with `CGYM_MALLOC=default`."""
-    if os.environ.get("CGYM_MALLOC", "").lower() == "default" or not sys.platform.startswith("linux"):
+    if os.environ.get("CGYM_MALLOC", "").lower() == "default":
         return False
-    try:
-        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
-    except (OSError, AttributeError):  # no libc by that name, or one without mallopt (musl)
-        return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return bool(mallopt(M_MMAP_THRESHOLD, KEEP_BELOW)) and bool(mallopt(M_TRIM_THRESHOLD, KEEP_BELOW))
+    mallopt = _glibc("mallopt", [ctypes.c_int, ctypes.c_int])
+    return mallopt is not None and bool(mallopt(M_MMAP_THRESHOLD, KEEP_BELOW)) and bool(mallopt(M_TRIM_THRESHOLD, KEEP_BELOW))
 
 
 def release_freed_memory() -> bool:
@@ -45,11 +42,18 @@ def release_freed_memory() -> bool:
     tensors are garbage, and the next phase's peak should not stand on them). Collects Python's
     cycles, then glibc's `malloc_trim(0)`. True when glibc trimmed something."""
     gc.collect()
+    trim = _glibc("malloc_trim", [ctypes.c_size_t])
+    return trim is not None and bool(trim(0))
+
+
+def _glibc(name: str, argtypes: list[Any]) -> Any:
+    """glibc's malloc function `name` (returning int), or None off Linux or where the C library
+    lacks it (musl has no mallopt)."""
     if not sys.platform.startswith("linux"):
-        return False
+        return None
     try:
-        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+        function = getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
     except (OSError, AttributeError):
-        return False
-    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    return bool(trim(0))
+        return None
+    function.argtypes, function.restype = argtypes, ctypes.c_int
+    return function
