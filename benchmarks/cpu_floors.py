@@ -7,12 +7,21 @@ The GRPO steps train LoRA adapters (rank 16, the training default; `--lora-r 0`:
 
 Every forward call of a causal LM is counted by a global forward pre-hook (rows x new tokens,
 the keys each attends to (counted from the mask where it is a given 4D one: the loss pass's prefix
-trees), the LM-head columns kept, and whether autograd is recording, which
-means a backward of twice the forward's cost follows). FLOPs are the usual dense estimate:
-2 x non-embedding parameters per token, 4 x layers x hidden x keys per token for attention, 2 x
-hidden x vocab per LM-head column; padding counts, since it is computed. The floor of a figure is
-its FLOPs divided by the measured bf16 matmul peak (the dtype both phases run in on this CPU);
-`distance` = measured / floor.
+trees), the LM-head columns kept, and whether autograd is recording, which means a backward
+follows). FLOPs are the usual dense estimate: 2 x non-embedding parameters per token, 4 x layers x
+hidden x keys per token for attention, 2 x hidden x vocab per LM-head column; padding counts, since
+it is computed. A backward costs, per weight, one forward's products for the gradient of its input
+and, where the weight requires a gradient, another for its own: 2x the forward with every weight
+trained, 1x for LoRA's frozen base (its adapters, trained, count 2x). Attention has no weights: its
+backward takes the gradients of queries, keys and values, 2x its forward, frozen base or not. The
+floor of a figure is its FLOPs divided by the measured bf16 matmul peak (the dtype both phases run
+in on this CPU); `distance` = measured / floor.
+
+A decode step of a few rows reads every weight to do little arithmetic: its time is bounded by
+memory, not the matmul peak. `roofline_s` bounds each forward by the slower of its FLOPs at the
+matmul peak and its weights' bytes at the read bandwidth measured in the same run (a streaming
+sum; a backward reads them once more), plus the exps below; `distance_to_roofline` = measured /
+that.
 
 Attention on this CPU costs its softmax's `exp`s on top of its matmuls: a 100-row prefill of
 a tool result scores 63M (query, key) pairs a layer against the shared prefix, and `exp` runs at
@@ -33,7 +42,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from cgym.agents.local.packed import own_weights
@@ -46,28 +55,103 @@ ENV_ID = "cgym/ApiReport-v0"
 ENV_KWARGS: dict[str, Any] = {"difficulty": "easy"}
 
 
+class Call(NamedTuple):
+    """One counted forward: when it began (`time.perf_counter`), its FLOPs (with its backward's
+    in training) and the weight bytes it reads."""
+
+    at: float
+    flops: float
+    read: float
+
+
 @dataclass
 class FlopCount:
-    """FLOPs of the causal-LM forward calls seen, split by whether a backward follows."""
+    """FLOPs of the causal-LM forward calls seen, split by whether a backward follows, with each
+    call's (FLOPs, weight bytes read) for the roofline."""
 
     inference: float = 0.0
-    training: float = 0.0  # forward + backward (3x the forward; 2x with frozen weights)
+    training: float = 0.0  # forward + backward (3x the forward with every weight trained; LoRA's: `backward_flops`)
     tokens: dict[str, int] = field(default_factory=lambda: {"inference": 0, "training": 0})
     exps: float = 0.0  # softmax exps of attention: forward, and again in a training backward
+    calls: list[Call] = field(default_factory=list)
 
     @property
     def total(self) -> float:
         return self.inference + self.training
 
+    def roofline_s(self, peak_gflops: float, read_gb_per_s: float) -> float:
+        """Each call at the slower of its FLOPs at `peak_gflops` and its weights' bytes at
+        `read_gb_per_s`: the least time this work could take here, exps aside."""
+        return sum(max(call.flops / (peak_gflops * 1e9), call.read / (read_gb_per_s * 1e9)) for call in self.calls)
 
-def forward_flops(model: Any, rows: int, new: int, keys: int, head_columns: int, seen: float | None = None) -> float:
-    """Dense FLOPs of one forward: `rows` x `new` tokens, each attending to about `keys` keys
-    (`seen`: the keys a query sees on average, where a given mask says; else causal)."""
-    cfg = model.config
+    def flops_before(self, moment: float) -> float:
+        """FLOPs of the calls that began before `moment` (a step's rollout: those before its end)."""
+        return sum(call.flops for call in self.calls if call.at < moment)
+
+
+@dataclass(frozen=True)
+class Weights:
+    """A causal LM's weights as the FLOP estimate reads them: the body's (every weight but the
+    embedding and the LM head, a packed copy's packed ones too), those of the body that require a
+    gradient, and the bytes a forward reads (the body's and the LM head's)."""
+
+    body: int
+    trained: int
+    head_trained: bool
+    bytes: int
+
+
+def weights(model: Any) -> Weights:
     ends = {id(model.get_input_embeddings()), id(model.get_output_embeddings())}
-    body = sum(own_weights(module) for module in model.modules() if id(module) not in ends)  # a packed copy's layers too
+    body = trained = nbytes = 0
+    for module in model.modules():
+        if id(module) in ends:
+            continue
+        own = own_weights(module)  # a packed copy's layers too
+        body += own
+        trained += sum(p.numel() for p in module.parameters(recurse=False) if p.requires_grad)
+        nbytes += own * _element_size(module)
+    head = model.get_output_embeddings()  # a packed copy's is a packed layer, holding no parameter
+    head_trained = any(p.requires_grad for p in head.parameters(recurse=False))
+    return Weights(body, trained, head_trained, nbytes + own_weights(head) * _element_size(head))
+
+
+def _element_size(module: Any) -> int:
+    """Bytes per weight of `module`: its first parameter's, or a packed layer's dtype's."""
+    for parameter in module.parameters(recurse=False):
+        return parameter.element_size()
+    dtype = getattr(module, "dtype", None)
+    return torch.empty((), dtype=dtype).element_size() if isinstance(dtype, torch.dtype) else 4
+
+
+def forward_flops(model: Any, rows: int, new: int, keys: int, head_columns: int, seen: float | None = None, of: Weights | None = None) -> float:
+    """Dense FLOPs of one forward: `rows` x `new` tokens, each attending to about `keys` keys
+    (`seen`: the keys a query sees on average, where a given mask says; else causal). `of`:
+    `weights(model)`, where the caller has it."""
+    return rows * 2 * (of or weights(model)).body * new + attention_flops(model, rows, new, keys, seen) + head_flops(model, rows, head_columns)
+
+
+def attention_flops(model: Any, rows: int, new: int, keys: int, seen: float | None = None) -> float:
+    """FLOPs of one forward's attention: scores and weighted values, 4 x hidden per key seen."""
+    cfg = model.config
     seen = causal_keys(new, keys) if seen is None else seen
-    return rows * (2 * body * new + 4 * cfg.num_hidden_layers * cfg.hidden_size * new * seen + 2 * cfg.hidden_size * cfg.vocab_size * head_columns)
+    return rows * 4 * cfg.num_hidden_layers * cfg.hidden_size * new * seen
+
+
+def head_flops(model: Any, rows: int, head_columns: int) -> float:
+    """FLOPs of one forward's LM head over `head_columns` kept positions a row."""
+    cfg = model.config
+    return rows * 2 * cfg.hidden_size * cfg.vocab_size * head_columns
+
+
+def backward_flops(model: Any, rows: int, new: int, keys: int, head_columns: int, seen: float | None = None, of: Weights | None = None) -> float:
+    """FLOPs of the backward after one training forward: each weight's input gradient (its
+    forward's products again), each trained weight's own gradient (again), and attention's
+    gradients of queries, keys and values (twice its forward). 2x the forward when every weight
+    is trained; with LoRA's frozen base, the forward plus attention once more plus the adapters."""
+    w = of or weights(model)
+    head = head_flops(model, rows, head_columns)
+    return rows * 2 * (w.body + w.trained) * new + 2 * attention_flops(model, rows, new, keys, seen) + head * (2 if w.head_trained else 1)
 
 
 def causal_keys(new: int, keys: int) -> float:
@@ -91,15 +175,11 @@ def keys_seen(mask: Any) -> float | None:
 
 
 @contextmanager
-def counting_flops(model_class: type, *, weight_gradients: bool = True) -> Iterator[FlopCount]:
+def counting_flops(model_class: type) -> Iterator[FlopCount]:
     """Count every forward of `model_class` (a causal LM: the trained model, the sampler's bf16
-    copy and the eval policy's alike) while the block runs.
-
-    A forward under autograd is followed by a backward: twice the forward's FLOPs when every
-    weight gets a gradient, once when the weights are frozen (LoRA: gradients of the activations
-    only, the adapters' own being negligible), so `weight_gradients=False` counts 2x, not 3x."""
+    copy and the eval policy's alike) while the block runs. A forward under autograd is followed
+    by a backward (`backward_flops`: which weights get gradients is read from the model)."""
     count = FlopCount()
-    training_factor = 3 if weight_gradients else 2
     original = model_class.forward
 
     # `wraps` keeps the forward's signature visible (inspect follows __wrapped__): the sampler and
@@ -118,10 +198,16 @@ def counting_flops(model_class: type, *, weight_gradients: bool = True) -> Itera
             keep = kwargs.get("logits_to_keep", 0)
             columns = new if isinstance(keep, int) and keep == 0 else (keep if isinstance(keep, int) else len(keep))
             seen = keys_seen(mask)
-            flops = forward_flops(self, rows, new, keys, columns, seen)
-            phase = "training" if torch.is_grad_enabled() and not torch.is_inference_mode_enabled() else "inference"
-            setattr(count, phase, getattr(count, phase) + (training_factor * flops if phase == "training" else flops))
-            count.exps += forward_exps(self, rows, new, keys, seen) * (2 if phase == "training" else 1)
+            of = weights(self)
+            flops, read = forward_flops(self, rows, new, keys, columns, seen, of), of.bytes
+            training = torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+            if training:
+                flops += backward_flops(self, rows, new, keys, columns, seen, of)
+                read *= 2  # the backward reads each weight again for its input's gradient
+            phase = "training" if training else "inference"
+            setattr(count, phase, getattr(count, phase) + flops)
+            count.calls.append(Call(time.perf_counter(), flops, read))
+            count.exps += forward_exps(self, rows, new, keys, seen) * (2 if training else 1)
             count.tokens[phase] += rows * new
         return original(self, *args, **kwargs)
 
@@ -149,18 +235,31 @@ def exp_rate_per_s(*, size: int = 8 * 2**20, repeats: int = 10) -> float:
     return size / min(_timed(lambda: torch.exp(x, out=out)) for _ in range(repeats))
 
 
+def read_gb_per_s(*, size: int = 2**28, repeats: int = 5) -> float:
+    """Best-of GB/s of a streaming read: summing `size` bytes of bf16 and of fp32 (the larger)."""
+    best = 0.0
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.ones(size // torch.empty((), dtype=dtype).element_size(), dtype=dtype)
+        x.sum()
+        best = max(best, size / min(_timed(x.sum) for _ in range(repeats)) / 1e9)
+    return best
+
+
 def _timed(work: Any) -> float:
     start = time.perf_counter()
     work()
     return time.perf_counter() - start
 
 
-def figure(seconds: float, count: FlopCount, peak_gflops: float, exps_per_s: float | None = None) -> dict[str, Any]:
+def figure(seconds: float, count: FlopCount, peak_gflops: float, exps_per_s: float | None = None, read_gb_per_s: float | None = None) -> dict[str, Any]:
     floor = count.total / (peak_gflops * 1e9)
-    with_exp = {}
+    with_exp: dict[str, Any] = {}
+    exp_floor = count.exps / exps_per_s if exps_per_s else 0.0
     if exps_per_s:
-        exp_floor = count.exps / exps_per_s
         with_exp = {"gexps": round(count.exps / 1e9, 2), "exp_floor_s": round(exp_floor, 2), "floor_with_exp_s": round(floor + exp_floor, 2), "distance_with_exp": round(seconds / (floor + exp_floor), 2)}
+    if read_gb_per_s:
+        roofline = count.roofline_s(peak_gflops, read_gb_per_s) + exp_floor
+        with_exp |= {"roofline_s": round(roofline, 2), "distance_to_roofline": round(seconds / roofline, 2) if roofline else None}
     return {
         "seconds": round(seconds, 2),
         "tflops": round(count.total / 1e12, 3),
@@ -171,6 +270,18 @@ def figure(seconds: float, count: FlopCount, peak_gflops: float, exps_per_s: flo
         "distance": round(seconds / floor, 2) if floor else None,
         "effective_gflops": round(count.total / seconds / 1e9, 1),
         **with_exp,
+    }
+
+
+def phases(row: dict[str, Any], count: FlopCount, peak_gflops: float) -> dict[str, Any]:
+    """A step's rollout (the forwards that began before its end) and update (the rest): seconds,
+    TFLOPs and share of the matmul peak, from the step's `row`."""
+    rollout_s, rollout_flops = row["rollout_time_s"], row["rollout_tflops"] * 1e12
+    split = {"rollout": (rollout_s, rollout_flops), "update": (row["step_time_s"] - rollout_s, count.total - rollout_flops)}
+    return {
+        name: {"seconds": round(seconds, 2), "tflops": round(flops / 1e12, 3), "effective_gflops": round(flops / seconds / 1e9, 1), "of_peak": round(flops / seconds / 1e9 / peak_gflops, 3)}
+        for name, (seconds, flops) in split.items()
+        if seconds > 0
     }
 
 
@@ -188,14 +299,15 @@ def grpo_steps(model: str, steps: int, out: Path, draft_tokens: int = LOOKUP_TOK
     base = state.model.get_base_model() if lora_r else state.model  # peft's wrapper calls the base model's forward
     times, counts, rows = [], [], []
     for step in range(1, steps + 2):
-        with counting_flops(type(base), weight_gradients=lora_r == 0) as count:
+        with counting_flops(type(base)) as count:
             start = time.perf_counter()
             row = train_step(state, step)
             elapsed = time.perf_counter() - start
         if step > 1:
             times.append(elapsed)
             counts.append(count)
-            rows.append({k: row[k] for k in ("step_time_s", "rollout_time_s", "train_tokens", "trained_rows", "success_rate", "memory/peak_after_sampling_gb", "memory/peak_gb") if k in row})
+            row["rollout_tflops"] = count.flops_before(start + row["rollout_time_s"]) / 1e12
+            rows.append({k: row[k] for k in ("step_time_s", "rollout_time_s", "rollout_tflops", "train_tokens", "trained_rows", "success_rate", "memory/peak_after_sampling_gb", "memory/peak_gb") if k in row})
     return times, counts, rows
 
 
@@ -221,6 +333,7 @@ def run(model: str, *, steps: int, episodes: int, draft_tokens: int = LOOKUP_TOK
     load = round(os.getloadavg()[0], 2)
     before = {d: matmul_peak_gflops(d) for d in (torch.bfloat16, torch.float32)}
     exps_before = exp_rate_per_s()
+    read_before = read_gb_per_s()
     env_kwargs = {**ENV_KWARGS, "difficulty": difficulty}
     eval_s, eval_count, success, eval_rss = 0.0, FlopCount(), None, None
     if episodes:
@@ -234,6 +347,7 @@ def run(model: str, *, steps: int, episodes: int, draft_tokens: int = LOOKUP_TOK
     peaks = {str(d).removeprefix("torch."): round(max(best, matmul_peak_gflops(d)), 1) for d, best in before.items()}
     peak = peaks[str(compute_dtype()).removeprefix("torch.")]
     exps_per_s = max(exps_before, exp_rate_per_s())
+    read = max(read_before, read_gb_per_s())
     median = sorted(range(len(times)), key=times.__getitem__)[len(times) // 2] if times else None
     result: dict[str, Any] = {
         "machine": machine(),  # the floors were set on one kind of machine: a figure says which it came from
@@ -245,19 +359,21 @@ def run(model: str, *, steps: int, episodes: int, draft_tokens: int = LOOKUP_TOK
         "compute_dtype": str(compute_dtype()).removeprefix("torch."),
         "matmul_peak_gflops": peaks,
         "exp_rate_g_per_s": round(exps_per_s / 1e9, 2),
+        "read_gb_per_s": round(read, 1),
         "draft_tokens": draft_tokens,
         "peak_rss_gb_after_eval": eval_rss,  # the process's high-water mark: run --steps 0 or --episodes 0 to see one phase alone
         "load_avg_1min": {"start": load},
     }
     if episodes:
-        result["eval"] = {"episodes": episodes, "success_rate": success, **figure(eval_s, eval_count, peak, exps_per_s)}
+        result["eval"] = {"episodes": episodes, "success_rate": success, **figure(eval_s, eval_count, peak, exps_per_s, read)}
     if median is not None:
         result["grpo_step"] = {
             "tasks_x_group": "4 x 8",
             "steps_timed": len(times),
             "steps_s": [round(t, 2) for t in times],
             "rows": rows,
-            **figure(times[median], counts[median], peak, exps_per_s),
+            **figure(times[median], counts[median], peak, exps_per_s, read),
+            "phases": phases(rows[median], counts[median], peak),
         }
     result["load_avg_1min"]["end"] = round(os.getloadavg()[0], 2)
     result["peak_rss_gb"] = peak_rss_gb()

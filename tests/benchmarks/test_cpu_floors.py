@@ -4,7 +4,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cgym.benchmarks.cpu_floors import counting_flops, exp_rate_per_s, figure, forward_exps, forward_flops
+from cgym.benchmarks.cpu_floors import (
+    Call,
+    FlopCount,
+    attention_flops,
+    counting_flops,
+    exp_rate_per_s,
+    figure,
+    forward_exps,
+    forward_flops,
+    phases,
+    read_gb_per_s,
+    weights,
+)
 from cgym.trainer.tiny import build_tiny
 from transformers import AutoModelForCausalLM
 
@@ -36,6 +48,8 @@ def test_a_packed_copy_counts_the_flops_of_the_model_it_copies(model: torch.nn.M
     packed = pack_linears(copy.deepcopy(bf16))
     assert is_packed(packed)
     assert forward_flops(packed, 3, 5, 40, 2) == forward_flops(bf16, 3, 5, 40, 2) == forward_flops(model, 3, 5, 40, 2)
+    # and the bytes a forward reads: 2 a weight in bf16, packed or not, 4 in fp32
+    assert weights(packed).bytes == weights(bf16).bytes == weights(model).bytes // 2
 
 
 def test_counting_splits_inference_from_training_and_restores_forward(model: torch.nn.Module) -> None:
@@ -58,14 +72,41 @@ def test_counting_splits_inference_from_training_and_restores_forward(model: tor
     assert with_exp["floor_with_exp_s"] == pytest.approx(with_exp["floor_s"] + count.exps / 1e3, abs=0.01)
 
 
-def test_frozen_weights_count_a_backward_of_one_forward(model: torch.nn.Module) -> None:
-    """LoRA: the base's weights get no gradient, so a training forward costs 2x, not 3x."""
+def test_frozen_weights_count_the_gradients_of_their_inputs_only(model: torch.nn.Module) -> None:
+    """LoRA: the base's weights get no gradient of their own, so their backward costs one
+    forward, not two; attention's backward still takes two (queries, keys and values are
+    activations), and a trained weight (an adapter) still counts both of its gradients."""
+    import copy
+
+    frozen = copy.deepcopy(model).requires_grad_(False)
+    adapter = frozen.model.layers[0].mlp.down_proj.weight.requires_grad_(True)
     ids = torch.randint(0, model.config.vocab_size, (2, 5))
-    with counting_flops(type(model), weight_gradients=False) as count:
+    with counting_flops(type(frozen)) as count:
         with torch.inference_mode():
-            model(input_ids=ids)
-        model(input_ids=ids).logits.sum().backward()
-    assert count.training == pytest.approx(2 * count.inference)
+            frozen(input_ids=ids)
+        frozen(input_ids=ids).logits.sum().backward()
+    assert adapter.grad is not None
+    assert count.training == pytest.approx(2 * count.inference + attention_flops(frozen, 2, 5, 5) + 2 * adapter.numel() * 10)
+
+
+def test_the_roofline_takes_each_call_at_its_slower_bound() -> None:
+    """A call of many FLOPs is bound by the matmul peak, one that reads much by memory."""
+    count = FlopCount(inference=5e9, calls=[Call(0.0, 1e9, 1e9), Call(1.0, 4e9, 1e8)])
+    assert count.roofline_s(peak_gflops=100.0, read_gb_per_s=10.0) == pytest.approx(0.1 + 0.04)
+    row = figure(0.28, count, peak_gflops=100.0, exps_per_s=None, read_gb_per_s=10.0)
+    assert row["roofline_s"] == pytest.approx(0.14) and row["distance_to_roofline"] == pytest.approx(2.0)
+    assert row["floor_s"] == pytest.approx(0.05)
+    assert read_gb_per_s(size=2**20, repeats=2) > 0.1
+
+
+def test_a_step_splits_into_its_rollout_and_its_update() -> None:
+    """The forwards that began before the rollout ended are the rollout's; the rest the update's."""
+    count = FlopCount(inference=1e9, training=4e9, calls=[Call(0.5, 1e9, 0.0), Call(1.5, 4e9, 0.0)])
+    assert count.flops_before(1.0) == 1e9
+    row = {"step_time_s": 3.0, "rollout_time_s": 1.0, "rollout_tflops": count.flops_before(1.0) / 1e12}
+    split = phases(row, count, peak_gflops=4.0)
+    assert split["rollout"] == {"seconds": 1.0, "tflops": 0.001, "effective_gflops": 1.0, "of_peak": 0.25}
+    assert split["update"] == {"seconds": 2.0, "tflops": 0.004, "effective_gflops": 2.0, "of_peak": 0.5}
 
 
 def test_forward_exps_counts_each_query_head_layer_and_key_seen(model: torch.nn.Module) -> None:
