@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 from cgym.agents.local.kernels import C_HEADER, compiled, enabled
+from cgym.agents.local.layer_step import decode_step
 from cgym.agents.local.packed import FusedLinear, pack_linears, packable
 from torch import Tensor, nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -98,7 +99,11 @@ def lean_forward(
     **kwargs: Any,
 ) -> Tensor:
     """The Llama decoder layer's forward (`LlamaDecoderLayer.forward` and what it calls), with
-    its projections fused; Qwen2's, which differs only in passing its attention's sliding window."""
+    its projections fused; Qwen2's, which differs only in passing its attention's sliding window.
+    A decode step against a shared prompt runs in one C call where it can (`layer_step`)."""
+    stepped = decode_step(self, hidden_states, attention_mask, cache, position_embeddings)
+    if stepped is not None:
+        return stepped
     attn, mlp = self.self_attn, self.mlp
     batch, length, _ = hidden_states.shape
     normed = _rms_norm(hidden_states, self.input_layernorm)

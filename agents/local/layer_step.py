@@ -1,0 +1,247 @@
+"""A lean decoder layer's decode step in one C call: the same kernels, without Python between them.
+
+A decode step of a few rows runs every layer's dozen small ops one after another, and on the
+2-core AVX512-BF16 machine the Python and PyTorch calls around the C kernels cost as much as a
+third of a one-row step of SmolLM2 (16.8 ms, of which ~5.5 ms outside the kernels: wrappers,
+views, argument checks, the cache's slice assignments). Here one call runs a whole layer: the
+norm, the fused query-key-value product, the rotation, the new keys and values written into the
+cache, the step's attention over the shared prompt and the row's own keys, the output product
+and its residual, the second norm, gate and up, the gated SiLU, down and its residual. Each part
+is the kernel `lean_forward` calls for it (reached through its address), with the same inputs,
+and the residuals are rounded to bf16 as PyTorch adds bf16, so the layer's output and the cache
+are bit for bit those of `lean_forward` (`tests/agents/local/test_layer_step.py`).
+
+It runs where every one of those kernels would: bf16 lean layers with packed projections, a
+shared prefix packed for `step_attention`, the cache's growing buffer with room for the step, and
+few enough queries per row. Anywhere else `decode_step` answers None and the layer runs as before.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from functools import cache
+from typing import Any
+
+import torch
+from cgym.agents.local import kv_cache, packed, step_attention
+from cgym.agents.local.decode_attention import FEW_QUERIES, HEAD_DIM, MAX_QUERIES
+from cgym.agents.local.kernels import C_HEADER, compiled, enabled
+from torch import Tensor, nn
+
+_SOURCE = (
+    C_HEADER
+    + r"""
+typedef void (*norm_fn)(const uint16_t *, const uint16_t *, uint16_t *, long, long, float, int);
+typedef void (*linear_fn)(const uint16_t *, const uint32_t *, const float *, uint16_t *, long, long, long, int);
+typedef void (*rotate_fn)(uint16_t *, const uint16_t *, const uint16_t *, long, long, long, long, int);
+typedef void (*gated_fn)(const uint16_t *, uint16_t *, long, long, int);
+typedef void (*attention_fn)(const uint16_t *, const uint32_t *, const float *, const uint16_t *, const uint16_t *, const uint8_t *,
+                             uint16_t *, long, long, long, long, long, long, long, long, long, long, long, long, long, long, long,
+                             long, long, long, long, long, long, long, float, int);
+
+/* What a layer's step reads that stays put through a sampling call (`Plan` in Python). */
+typedef struct {
+    norm_fn norm;
+    linear_fn linear;
+    rotate_fn rotate;
+    gated_fn gated;
+    attention_fn attention;
+    const uint16_t *norm1, *norm2;
+    float eps1, eps2;
+    const uint32_t *qkv, *o, *gate_up, *down;
+    const float *qkv_bias, *o_bias, *gate_up_bias, *down_bias;
+    long hidden, heads, kv_heads, head_dim, inter;
+    float scale;
+    const uint32_t *prefix_keys;
+    const float *prefix_values;
+    long prefix_length;
+} Plan;
+
+/* h <- bf16(h + x), count values (a multiple of 16), each sum rounded to nearest even as PyTorch adds bf16 */
+static void add_rounded(uint16_t *h, const uint16_t *x, long count) {
+    for (long i = 0; i < count; i += 16) {
+        __m512 a = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(h + i))), 16));
+        __m512 b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + i))), 16));
+        _mm256_storeu_si256((__m256i *)(h + i), (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(a, b)));
+    }
+}
+
+/* out (B x T rows of `hidden`) = the layer applied to h, for T new ids a row at cache columns
+   [length, length + T) of ck / cv (B, kv heads, capacity, D; strides given), which this writes;
+   `visible` (B, T, length + T) says which of a row's own keys each query sees. `scratch` holds
+   B T (3 hidden + (heads + 2 kv heads) D + heads D + 3 inter) bf16. */
+void layer_step(const Plan *p, const uint16_t *h, uint16_t *out, long B, long T, const uint16_t *cos, const uint16_t *sin,
+                uint16_t *ck, uint16_t *cv, long ksb, long ksh, long kss, long vsb, long vsh, long vss, long length,
+                const uint8_t *visible, long isb, long ist, long iss, long few, uint16_t *scratch, int threads) {
+    long R = B * T, E = p->hidden, D = p->head_dim, H = p->heads, Hk = p->kv_heads, I = p->inter;
+    long W = (H + 2 * Hk) * D;
+    uint16_t *normed = scratch, *qkv = normed + R * E, *att = qkv + R * W, *o = att + R * H * D;
+    uint16_t *gu = o + R * E, *g = gu + R * 2 * I, *down = g + R * I;
+    memcpy(out, h, sizeof(uint16_t) * R * E);
+    p->norm(out, p->norm1, normed, R, E, p->eps1, threads);
+    p->linear(normed, p->qkv, p->qkv_bias, qkv, R, E, W, threads);
+    p->rotate(qkv, cos, sin, R, W, H + Hk, D, threads);
+    for (long b = 0; b < B; b++)
+        for (long t = 0; t < T; t++)
+            for (long j = 0; j < Hk; j++) {
+                const uint16_t *row = qkv + (b * T + t) * W;
+                memcpy(ck + b * ksb + j * ksh + (length + t) * kss, row + (H + j) * D, sizeof(uint16_t) * D);
+                memcpy(cv + b * vsb + j * vsh + (length + t) * vss, row + (H + Hk + j) * D, sizeof(uint16_t) * D);
+            }
+    p->attention(qkv, p->prefix_keys, p->prefix_values, ck, cv, visible, att, B, Hk, H / Hk, T, p->prefix_length, length + T,
+                 T * W, D, W, ksb, ksh, kss, vsb, vsh, vss, isb, ist, iss, T * H * D, H * D, D, few, p->scale, threads);
+    p->linear(att, p->o, p->o_bias, o, R, H * D, E, threads);
+    add_rounded(out, o, R * E);
+    p->norm(out, p->norm2, normed, R, E, p->eps2, threads);
+    p->linear(normed, p->gate_up, p->gate_up_bias, gu, R, E, 2 * I, threads);
+    p->gated(gu, g, R, I, threads);
+    p->linear(g, p->down, p->down_bias, down, R, I, E, threads);
+    add_rounded(out, down, R * E);
+}
+"""
+)
+
+
+class Plan(ctypes.Structure):
+    """The C `Plan`: kernel addresses, a layer's weights, its shapes, and the packed prefix."""
+
+    _fields_ = [
+        *((name, ctypes.c_void_p) for name in ("norm", "linear", "rotate", "gated", "attention", "norm1", "norm2")),
+        ("eps1", ctypes.c_float),
+        ("eps2", ctypes.c_float),
+        *((name, ctypes.c_void_p) for name in ("qkv", "o", "gate_up", "down", "qkv_bias", "o_bias", "gate_up_bias", "down_bias")),
+        *((name, ctypes.c_long) for name in ("hidden", "heads", "kv_heads", "head_dim", "inter")),
+        ("scale", ctypes.c_float),
+        ("prefix_keys", ctypes.c_void_p),
+        ("prefix_values", ctypes.c_void_p),
+        ("prefix_length", ctypes.c_long),
+    ]
+
+
+def decode_step(
+    layer: nn.Module, hidden: Tensor, attention_mask: Tensor | None, cache: Any, position_embeddings: tuple[Tensor, Tensor] | None
+) -> Tensor | None:
+    """`layer`'s output for a decode step's (B, T, hidden) states, its new keys and values written
+    into `cache`, in one C call; None (nothing done) wherever `lean_forward` would run other code."""
+    lib = _library()
+    if lib is None or torch.is_grad_enabled() or position_embeddings is None or cache is None:
+        return None
+    attn, mlp = layer.self_attn, layer.mlp
+    prefix = kv_cache._PREFIX.get()
+    index = attn.layer_idx
+    if prefix is None or kv_cache._FLASH_CPU is None or prefix.packed[index] is None or attn.config._attn_implementation != kv_cache.PREFIX_ATTENTION:
+        return None
+    own = cache.layers[index] if index < len(getattr(cache, "layers", ())) else None
+    batch, steps, width = hidden.shape
+    heads, kv_heads, dim = attn.config.num_attention_heads, attn.config.num_key_value_heads, attn.head_dim
+    if not (isinstance(own, kv_cache.GrowingLayer) and own._k is not None and own._v is not None and own.is_initialized):
+        return None
+    cos, sin = position_embeddings
+    projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    fits = (
+        hidden.dtype == torch.bfloat16
+        and hidden.is_contiguous()
+        and width % 16 == 0
+        and dim == HEAD_DIM
+        and heads % kv_heads == 0
+        and heads // kv_heads * steps <= MAX_QUERIES
+        and all(isinstance(p, packed.PackedLinear) and p.pairs for p in projections)
+        and attn.qkv_proj.widths == [heads * dim, kv_heads * dim, kv_heads * dim]
+        and mlp.gate_up_proj.out_features % 32 == 0
+        and cos.dtype == sin.dtype == torch.bfloat16
+        and cos.shape == sin.shape == (batch, steps, dim)
+        and cos.is_contiguous()
+        and sin.is_contiguous()
+        and own._k.shape[:2] == own._v.shape[:2] == (batch, kv_heads)
+        and own.length + steps <= min(own._k.shape[2], own._v.shape[2])
+        and own._k.stride(-1) == own._v.stride(-1) == 1
+        and own._k.dtype == own._v.dtype == torch.bfloat16
+        and prefix.packed[index].keys.shape[0] == kv_heads
+    )
+    if not fits:
+        return None
+    length = own.length
+    visible = kv_cache._own_mask(attention_mask, batch, steps, length + steps, prefix.keys[index].shape[2], hidden.device)
+    if not (
+        visible.dtype == torch.bool
+        and visible.shape == (batch, steps, length + steps)
+        and (heads // kv_heads * steps <= FEW_QUERIES or visible.stride(-1) == 1)
+    ):
+        return None
+    plan = _plan(layer, prefix.packed[index])
+    rows, inter = batch * steps, mlp.gate_up_proj.out_features // 2
+    scratch = torch.empty(rows * (3 * width + (heads + 2 * kv_heads) * dim + heads * dim + 3 * inter), dtype=torch.bfloat16)
+    out = torch.empty_like(hidden)
+    lib.layer_step(
+        ctypes.addressof(plan), hidden.data_ptr(), out.data_ptr(), batch, steps, cos.data_ptr(), sin.data_ptr(),
+        own._k.data_ptr(), own._v.data_ptr(), *own._k.stride()[:3], *own._v.stride()[:3], length,
+        visible.data_ptr(), *visible.stride(), FEW_QUERIES, scratch.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    own.length = length + steps
+    own._refresh()
+    return out
+
+
+def _plan(layer: nn.Module, prefix: step_attention.PackedPrefix) -> Plan:
+    """`layer`'s `Plan` over `prefix`, kept on the layer while every address in it stays (new
+    weights or a new prefix come in new tensors; one may land where an old one was, so all of
+    them are compared, not some)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    addresses = (
+        *(n.weight.data_ptr() for n in norms),
+        *(p.packed.data_ptr() for p in projections),
+        *(None if p.wide_bias is None else p.wide_bias.data_ptr() for p in projections),
+        prefix.keys.data_ptr(),
+        prefix.values.data_ptr(),
+        prefix.length,
+    )
+    kept = layer.__dict__.get("_cgym_step_plan")
+    if kept is not None and kept[0] == addresses:
+        return kept[1]
+    norm1, norm2, qkv, o, gate_up, down, *biases, keys, values, length = addresses
+    plan = Plan(
+        *_kernels(), norm1, norm2, norms[0].variance_epsilon, norms[1].variance_epsilon, qkv, o, gate_up, down, *biases,
+        attn.o_proj.out_features, attn.config.num_attention_heads, attn.config.num_key_value_heads, attn.head_dim, mlp.gate_up_proj.out_features // 2,
+        attn.scaling, keys, values, length,
+    )  # fmt: skip
+    layer.__dict__["_cgym_step_plan"] = (addresses, plan)  # what it points at is held by the layer and the prefix
+    return plan
+
+
+def _kernels() -> tuple[int, ...]:
+    """The addresses of the kernels a layer step calls, in `Plan`'s order."""
+    from cgym.agents.local import lean_layers  # it calls this module: imported when first needed
+
+    lean, pairs, attention = lean_layers._built(), packed._library(), step_attention._library()
+    assert lean is not None and pairs is not None and attention is not None
+    return tuple(ctypes.cast(f, ctypes.c_void_p).value or 0 for f in (lean.rms_norm, pairs.pair_linear, lean.rotate, lean.gated, attention.step_attention))
+
+
+def _library() -> ctypes.CDLL | None:
+    """The layer-step kernel, where it and every kernel it calls run; None where they are off
+    (`CGYM_DECODE_KERNEL=0`) or cannot be built."""
+    return _built() if enabled() else None
+
+
+@cache
+def _built() -> ctypes.CDLL | None:
+    from cgym.agents.local import lean_layers
+
+    if lean_layers._built() is None or packed._library() is None or step_attention._library() is None:
+        return None
+    lib = compiled(_SOURCE, "layer_step")
+    if lib is None:
+        return None
+    lib.layer_step.restype = None
+    lib.layer_step.argtypes = (
+        [ctypes.c_void_p] * 3
+        + [ctypes.c_long] * 2
+        + [ctypes.c_void_p] * 4
+        + [ctypes.c_long] * 7
+        + [ctypes.c_void_p]
+        + [ctypes.c_long] * 4
+        + [ctypes.c_void_p, ctypes.c_int]
+    )
+    return lib

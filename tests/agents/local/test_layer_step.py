@@ -1,0 +1,79 @@
+"""A lean layer's decode step in one C call: the output, the cache and the samples of the layer
+run op by op, bit for bit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from cgym.agents.local import layer_step
+from cgym.agents.local.lean_layers import sampling_model
+from cgym.agents.local.packed import packable
+from cgym.agents.local.precision import cpu_has_bf16
+from cgym.agents.local.sampling import sample_batch
+from cgym.agents.options import SamplingOptions
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
+
+pytestmark = [
+    pytest.mark.skipif(not packable(nn.Linear(2, 2).to(torch.bfloat16)), reason="this PyTorch has no oneDNN packed linear"),
+    pytest.mark.skipif(not cpu_has_bf16() or layer_step._library() is None, reason="no native bf16 or no C compiler here: the layers run op by op"),
+]
+
+SIZES = {"hidden_size": 192, "num_attention_heads": 3, "num_key_value_heads": 1, "head_dim": 64, "intermediate_size": 256, "initializer_range": 0.3}
+
+
+def _lean(tiny_chat_model: Path, kind: str) -> nn.Module:
+    """A lean bf16 Qwen2 (biased query, key and value) or Llama with 64-wide heads, weights sharp
+    enough that a last-bit difference changes what is sampled."""
+    config = AutoConfig.from_pretrained(tiny_chat_model)
+    config.update(SIZES)
+    if kind == "llama":
+        config = LlamaConfig(**{**config.to_dict(), "model_type": "llama", "attention_bias": False})
+    torch.manual_seed(0)
+    return sampling_model(AutoModelForCausalLM.from_config(config).to(torch.bfloat16).eval().requires_grad_(False))
+
+
+def _sample(model: nn.Module, temperature: float, draft_tokens: int) -> list:
+    head = [1 + 4 * i for i in range(20)]  # shared by every row: served once, as `step_attention` reads it
+    prompts = [[*head, 25, 29], [*head, 40, 44, 48, 52, 56, 60], [*head, 7]]  # own tails, left-padded to the longest
+    params = SamplingOptions(temperature=temperature, max_new_tokens=40)
+    return sample_batch(model, prompts, params=params, stop_ids={0}, pad_id=0, generator=torch.Generator().manual_seed(3), draft_tokens=draft_tokens)
+
+
+@pytest.mark.parametrize(("kind", "temperature", "draft_tokens"), [("qwen2", 0.0, 4), ("qwen2", 1.0, 0), ("llama", 1.0, 4), ("llama", 0.0, 0)])
+def test_one_call_a_layer_samples_what_the_layer_op_by_op_samples(
+    tiny_chat_model: Path, kind: str, temperature: float, draft_tokens: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = _lean(tiny_chat_model, kind)
+    calls = []
+    real = layer_step.decode_step
+
+    def counted(*args: object) -> object:
+        out = real(*args)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr("cgym.agents.local.lean_layers.decode_step", counted)
+    fast = _sample(model, temperature, draft_tokens)
+    assert sum(calls) > 10, "the one-call step ran"
+    monkeypatch.setattr("cgym.agents.local.lean_layers.decode_step", lambda *args: None)
+    assert fast == _sample(model, temperature, draft_tokens)
+
+
+def test_a_layers_plan_follows_every_address_it_holds(tiny_chat_model: Path) -> None:
+    """The plan a layer keeps points at its weights and the prompt's packed keys and values; a new
+    prompt (or new weights) comes in new tensors, one of which may land where an old one was:
+    every address is checked, or a step would read a freed prompt's values."""
+    from cgym.agents.local.step_attention import PackedPrefix
+
+    layer = _lean(tiny_chat_model, "llama").model.layers[0]
+    keys = torch.zeros((1, 512), dtype=torch.int32)
+    first, second = (PackedPrefix(keys, torch.zeros((1, 16, 64)), 16) for _ in range(2))  # the same keys tensor, other values
+    assert layer_step._plan(layer, first).prefix_values == first.values.data_ptr()
+    assert layer_step._plan(layer, second).prefix_values == second.values.data_ptr()
+    assert layer_step._plan(layer, second) is layer_step._plan(layer, second)  # kept while nothing moved
+    down = layer.mlp.down_proj
+    down.load(torch.ones(down.out_features, down.in_features), None)  # new weights, packed anew
+    assert layer_step._plan(layer, second).down == down.packed.data_ptr()
