@@ -119,12 +119,13 @@ class Plan(ctypes.Structure):
 
 
 def decode_step(
-    layer: nn.Module, hidden: Tensor, attention_mask: Tensor | None, cache: Any, position_embeddings: tuple[Tensor, Tensor] | None
+    layer: nn.Module, hidden: Tensor, attention_mask: Tensor | None, cache: Any, position_embeddings: tuple[Tensor, Tensor] | None, norms: ctypes.CDLL | None
 ) -> Tensor | None:
     """`layer`'s output for a decode step's (B, T, hidden) states, its new keys and values written
-    into `cache`, in one C call; None (nothing done) wherever `lean_forward` would run other code."""
+    into `cache`, in one C call; None (nothing done) wherever `lean_forward` would run other code.
+    `norms`: the lean layers' library (norm, rotation, gated SiLU), which calls this."""
     lib = _library()
-    if lib is None or torch.is_grad_enabled() or position_embeddings is None or cache is None:
+    if lib is None or norms is None or torch.is_grad_enabled() or position_embeddings is None or cache is None:
         return None
     attn, mlp = layer.self_attn, layer.mlp
     prefix = kv_cache._PREFIX.get()
@@ -168,7 +169,7 @@ def decode_step(
         and (heads // kv_heads * steps <= FEW_QUERIES or visible.stride(-1) == 1)
     ):
         return None
-    plan = _plan(layer, prefix.packed[index])
+    plan = _plan(layer, prefix.packed[index], norms)
     rows, inter = batch * steps, mlp.gate_up_proj.out_features // 2
     scratch = torch.empty(rows * (3 * width + (heads + 2 * kv_heads) * dim + heads * dim + 3 * inter), dtype=torch.bfloat16)
     out = torch.empty_like(hidden)
@@ -182,15 +183,15 @@ def decode_step(
     return out
 
 
-def _plan(layer: nn.Module, prefix: step_attention.PackedPrefix) -> Plan:
+def _plan(layer: nn.Module, prefix: step_attention.PackedPrefix, norms: ctypes.CDLL) -> Plan:
     """`layer`'s `Plan` over `prefix`, kept on the layer while every address in it stays (new
     weights or a new prefix come in new tensors; one may land where an old one was, so all of
     them are compared, not some)."""
     attn, mlp = layer.self_attn, layer.mlp
     projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    layernorms = (layer.input_layernorm, layer.post_attention_layernorm)
     addresses = (
-        *(n.weight.data_ptr() for n in norms),
+        *(n.weight.data_ptr() for n in layernorms),
         *(p.packed.data_ptr() for p in projections),
         *(None if p.wide_bias is None else p.wide_bias.data_ptr() for p in projections),
         prefix.keys.data_ptr(),
@@ -202,7 +203,7 @@ def _plan(layer: nn.Module, prefix: step_attention.PackedPrefix) -> Plan:
         return kept[1]
     norm1, norm2, qkv, o, gate_up, down, *biases, keys, values, length = addresses
     plan = Plan(
-        *_kernels(), norm1, norm2, norms[0].variance_epsilon, norms[1].variance_epsilon, qkv, o, gate_up, down, *biases,
+        *_kernels(norms), norm1, norm2, layernorms[0].variance_epsilon, layernorms[1].variance_epsilon, qkv, o, gate_up, down, *biases,
         attn.o_proj.out_features, attn.config.num_attention_heads, attn.config.num_key_value_heads, attn.head_dim, mlp.gate_up_proj.out_features // 2,
         attn.scaling, keys, values, length,
     )  # fmt: skip
@@ -210,13 +211,12 @@ def _plan(layer: nn.Module, prefix: step_attention.PackedPrefix) -> Plan:
     return plan
 
 
-def _kernels() -> tuple[int, ...]:
-    """The addresses of the kernels a layer step calls, in `Plan`'s order."""
-    from cgym.agents.local import lean_layers  # it calls this module: imported when first needed
-
-    lean, pairs, attention = lean_layers._built(), packed._library(), step_attention._library()
-    assert lean is not None and pairs is not None and attention is not None
-    return tuple(ctypes.cast(f, ctypes.c_void_p).value or 0 for f in (lean.rms_norm, pairs.pair_linear, lean.rotate, lean.gated, attention.step_attention))
+def _kernels(norms: ctypes.CDLL) -> tuple[int, ...]:
+    """The addresses of the kernels a layer step calls, in `Plan`'s order (`norms`: the lean
+    layers' library)."""
+    pairs, attention = packed._library(), step_attention._library()
+    assert pairs is not None and attention is not None
+    return tuple(ctypes.cast(f, ctypes.c_void_p).value or 0 for f in (norms.rms_norm, pairs.pair_linear, norms.rotate, norms.gated, attention.step_attention))
 
 
 def _library() -> ctypes.CDLL | None:
@@ -227,9 +227,7 @@ def _library() -> ctypes.CDLL | None:
 
 @cache
 def _built() -> ctypes.CDLL | None:
-    from cgym.agents.local import lean_layers
-
-    if lean_layers._built() is None or packed._library() is None or step_attention._library() is None:
+    if packed._library() is None or step_attention._library() is None:
         return None
     lib = compiled(_SOURCE, "layer_step")
     if lib is None:

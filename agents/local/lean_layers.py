@@ -101,7 +101,7 @@ def lean_forward(
     """The Llama decoder layer's forward (`LlamaDecoderLayer.forward` and what it calls), with
     its projections fused; Qwen2's, which differs only in passing its attention's sliding window.
     A decode step against a shared prompt runs in one C call where it can (`layer_step`)."""
-    stepped = decode_step(self, hidden_states, attention_mask, cache, position_embeddings)
+    stepped = decode_step(self, hidden_states, attention_mask, cache, position_embeddings, _library())
     if stepped is not None:
         return stepped
     attn, mlp = self.self_attn, self.mlp

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cgym.agents.local import layer_step
+from cgym.agents.local import layer_step, lean_layers
 from cgym.agents.local.lean_layers import sampling_model
 from cgym.agents.local.packed import packable
 from cgym.agents.local.precision import cpu_has_bf16
@@ -18,7 +18,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
 pytestmark = [
     pytest.mark.skipif(not packable(nn.Linear(2, 2).to(torch.bfloat16)), reason="this PyTorch has no oneDNN packed linear"),
-    pytest.mark.skipif(not cpu_has_bf16() or layer_step._library() is None, reason="no native bf16 or no C compiler here: the layers run op by op"),
+    pytest.mark.skipif(
+        not cpu_has_bf16() or layer_step._library() is None or lean_layers._library() is None,
+        reason="no native bf16 or no C compiler here: the layers run op by op",
+    ),
 ]
 
 SIZES = {"hidden_size": 192, "num_attention_heads": 3, "num_key_value_heads": 1, "head_dim": 64, "intermediate_size": 256, "initializer_range": 0.3}
@@ -68,12 +71,12 @@ def test_a_layers_plan_follows_every_address_it_holds(tiny_chat_model: Path) -> 
     every address is checked, or a step would read a freed prompt's values."""
     from cgym.agents.local.step_attention import PackedPrefix
 
-    layer = _lean(tiny_chat_model, "llama").model.layers[0]
+    layer, norms = _lean(tiny_chat_model, "llama").model.layers[0], lean_layers._library()
     keys = torch.zeros((1, 512), dtype=torch.int32)
     first, second = (PackedPrefix(keys, torch.zeros((1, 16, 64)), 16) for _ in range(2))  # the same keys tensor, other values
-    assert layer_step._plan(layer, first).prefix_values == first.values.data_ptr()
-    assert layer_step._plan(layer, second).prefix_values == second.values.data_ptr()
-    assert layer_step._plan(layer, second) is layer_step._plan(layer, second)  # kept while nothing moved
+    assert layer_step._plan(layer, first, norms).prefix_values == first.values.data_ptr()
+    assert layer_step._plan(layer, second, norms).prefix_values == second.values.data_ptr()
+    assert layer_step._plan(layer, second, norms) is layer_step._plan(layer, second, norms)  # kept while nothing moved
     down = layer.mlp.down_proj
     down.load(torch.ones(down.out_features, down.in_features), None)  # new weights, packed anew
-    assert layer_step._plan(layer, second).down == down.packed.data_ptr()
+    assert layer_step._plan(layer, second, norms).down == down.packed.data_ptr()
