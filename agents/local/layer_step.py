@@ -19,6 +19,7 @@ few enough queries per row. Anywhere else `decode_step` answers None and the lay
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 from functools import cache
 from typing import Any
 
@@ -70,14 +71,14 @@ static void add_rounded(uint16_t *h, const uint16_t *x, long count) {
    [length, length + T) of ck / cv (B, kv heads, capacity, D; strides given), which this writes;
    `visible` (B, T, length + T) says which of a row's own keys each query sees. `scratch` holds
    B T (3 hidden + (heads + 2 kv heads) D + heads D + 3 inter) bf16. */
-void layer_step(const Plan *p, const uint16_t *h, uint16_t *out, long B, long T, const uint16_t *cos, const uint16_t *sin,
+static void layer_step(const Plan *p, const uint16_t *h, uint16_t *out, long B, long T, const uint16_t *cos, const uint16_t *sin,
                 uint16_t *ck, uint16_t *cv, long ksb, long ksh, long kss, long vsb, long vsh, long vss, long length,
                 const uint8_t *visible, long isb, long ist, long iss, long few, uint16_t *scratch, int threads) {
     long R = B * T, E = p->hidden, D = p->head_dim, H = p->heads, Hk = p->kv_heads, I = p->inter;
     long W = (H + 2 * Hk) * D;
     uint16_t *normed = scratch, *qkv = normed + R * E, *att = qkv + R * W, *o = att + R * H * D;
     uint16_t *gu = o + R * E, *g = gu + R * 2 * I, *down = g + R * I;
-    memcpy(out, h, sizeof(uint16_t) * R * E);
+    if (out != h) memcpy(out, h, sizeof(uint16_t) * R * E);
     p->norm(out, p->norm1, normed, R, E, p->eps1, threads);
     p->linear(normed, p->qkv, p->qkv_bias, qkv, R, E, W, threads);
     p->rotate(qkv, cos, sin, R, W, H + Hk, D, threads);
@@ -97,6 +98,16 @@ void layer_step(const Plan *p, const uint16_t *h, uint16_t *out, long B, long T,
     p->gated(gu, g, R, I, threads);
     p->linear(g, p->down, p->down_bias, down, R, I, E, threads);
     add_rounded(out, down, R * E);
+}
+
+/* n layers in turn (`plans`), each over its own cache buffers ck[l], cv[l] (the same strides and
+   length in every layer), the first reading h and every one writing out */
+void stack_step(const Plan *const *plans, long n, const uint16_t *h, uint16_t *out, long B, long T, const uint16_t *cos, const uint16_t *sin,
+                uint16_t *const *ck, uint16_t *const *cv, long ksb, long ksh, long kss, long vsb, long vsh, long vss, long length,
+                const uint8_t *visible, long isb, long ist, long iss, long few, uint16_t *scratch, int threads) {
+    for (long l = 0; l < n; l++)
+        layer_step(plans[l], l ? out : h, out, B, T, cos, sin, ck[l], cv[l], ksb, ksh, kss, vsb, vsh, vss, length, visible, isb, ist, iss, few,
+                   scratch, threads);
 }
 """
 )
@@ -124,29 +135,81 @@ def decode_step(
     """`layer`'s output for a decode step's (B, T, hidden) states, its new keys and values written
     into `cache`, in one C call; None (nothing done) wherever `lean_forward` would run other code.
     `norms`: the lean layers' library (norm, rotation, gated SiLU), which calls this."""
+    return stack_step([layer], hidden, attention_mask, cache, position_embeddings, norms)
+
+
+def stack_step(
+    layers: Sequence[nn.Module],
+    hidden: Tensor,
+    attention_mask: Tensor | None,
+    cache: Any,
+    position_embeddings: tuple[Tensor, Tensor] | None,
+    norms: ctypes.CDLL | None,
+) -> Tensor | None:
+    """`decode_step` through consecutive `layers` (a model's, all of them: the model-level step,
+    `lean_layers.lean_model_forward`) in one C call, or None (nothing done) unless every layer can."""
     lib = _library()
-    if lib is None or norms is None or torch.is_grad_enabled() or position_embeddings is None or cache is None:
+    if lib is None or norms is None or torch.is_grad_enabled() or position_embeddings is None or cache is None or not layers:
         return None
-    attn, mlp = layer.self_attn, layer.mlp
     prefix = kv_cache._PREFIX.get()
-    index = attn.layer_idx
-    if prefix is None or kv_cache._FLASH_CPU is None or prefix.packed[index] is None or attn.config._attn_implementation != kv_cache.PREFIX_ATTENTION:
+    if prefix is None or kv_cache._FLASH_CPU is None or layers[0].self_attn.config._attn_implementation != kv_cache.PREFIX_ATTENTION:
         return None
-    own = cache.layers[index] if index < len(getattr(cache, "layers", ())) else None
+    caches = getattr(cache, "layers", ())
+    owns = [caches[layer.self_attn.layer_idx] if layer.self_attn.layer_idx < len(caches) else None for layer in layers]
+    if not all(_fits(layer, hidden, position_embeddings, own, prefix.packed[layer.self_attn.layer_idx]) for layer, own in zip(layers, owns, strict=True)):
+        return None
+    first = owns[0]
+    length, strides = first.length, (*first._k.stride()[:3], *first._v.stride()[:3])
+    plens = {prefix.keys[layer.self_attn.layer_idx].shape[2] for layer in layers}
+    if any(own.length != length or (*own._k.stride()[:3], *own._v.stride()[:3]) != strides for own in owns) or len(plens) != 1:
+        return None
+    batch, steps, width = hidden.shape
+    attn, inter = layers[0].self_attn, layers[0].mlp.gate_up_proj.out_features // 2
+    heads, kv_heads, dim = attn.config.num_attention_heads, attn.config.num_key_value_heads, attn.head_dim
+    visible = kv_cache._own_mask(attention_mask, batch, steps, length + steps, plens.pop(), hidden.device)
+    if not (
+        visible.dtype == torch.bool
+        and visible.shape == (batch, steps, length + steps)
+        and (heads // kv_heads * steps <= FEW_QUERIES or visible.stride(-1) == 1)
+    ):
+        return None
+    plans = [_plan(layer, prefix.packed[layer.self_attn.layer_idx], norms) for layer in layers]
+    scratch = torch.empty(batch * steps * (3 * width + (heads + 2 * kv_heads) * dim + heads * dim + 3 * inter), dtype=torch.bfloat16)
+    out = torch.empty_like(hidden)
+    cos, sin = position_embeddings
+    addresses = ctypes.c_void_p * len(layers)
+    lib.stack_step(
+        addresses(*(ctypes.addressof(plan) for plan in plans)), len(layers), hidden.data_ptr(), out.data_ptr(), batch, steps, cos.data_ptr(), sin.data_ptr(),
+        addresses(*(own._k.data_ptr() for own in owns)), addresses(*(own._v.data_ptr() for own in owns)), *strides, length,
+        visible.data_ptr(), *visible.stride(), FEW_QUERIES, scratch.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    for own in owns:
+        own.length = length + steps
+        own._refresh()
+    return out
+
+
+def _fits(layer: nn.Module, hidden: Tensor, position_embeddings: tuple[Tensor, Tensor], own: Any, prefix: step_attention.PackedPrefix | None) -> bool:
+    """Whether each kernel `lean_forward` calls for `layer`'s step of (B, T) `hidden` is the one
+    a layer step calls: packed projections, bf16 rows, a packed prompt, the cache's growing
+    buffer with room for the step, few enough queries a row."""
+    attn, mlp = layer.self_attn, layer.mlp
     batch, steps, width = hidden.shape
     heads, kv_heads, dim = attn.config.num_attention_heads, attn.config.num_key_value_heads, attn.head_dim
-    if not (isinstance(own, kv_cache.GrowingLayer) and own._k is not None and own._v is not None and own.is_initialized):
-        return None
     cos, sin = position_embeddings
-    projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-    fits = (
-        hidden.dtype == torch.bfloat16
+    return (
+        prefix is not None
+        and isinstance(own, kv_cache.GrowingLayer)
+        and own._k is not None
+        and own._v is not None
+        and own.is_initialized
+        and hidden.dtype == torch.bfloat16
         and hidden.is_contiguous()
         and width % 16 == 0
         and dim == HEAD_DIM
         and heads % kv_heads == 0
         and heads // kv_heads * steps <= MAX_QUERIES
-        and all(isinstance(p, packed.PackedLinear) and p.pairs for p in projections)
+        and all(isinstance(p, packed.PackedLinear) and p.pairs for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
         and attn.qkv_proj.widths == [heads * dim, kv_heads * dim, kv_heads * dim]
         and mlp.gate_up_proj.out_features % 32 == 0
         and cos.dtype == sin.dtype == torch.bfloat16
@@ -157,30 +220,8 @@ def decode_step(
         and own.length + steps <= min(own._k.shape[2], own._v.shape[2])
         and own._k.stride(-1) == own._v.stride(-1) == 1
         and own._k.dtype == own._v.dtype == torch.bfloat16
-        and prefix.packed[index].keys.shape[0] == kv_heads
+        and prefix.keys.shape[0] == kv_heads
     )
-    if not fits:
-        return None
-    length = own.length
-    visible = kv_cache._own_mask(attention_mask, batch, steps, length + steps, prefix.keys[index].shape[2], hidden.device)
-    if not (
-        visible.dtype == torch.bool
-        and visible.shape == (batch, steps, length + steps)
-        and (heads // kv_heads * steps <= FEW_QUERIES or visible.stride(-1) == 1)
-    ):
-        return None
-    plan = _plan(layer, prefix.packed[index], norms)
-    rows, inter = batch * steps, mlp.gate_up_proj.out_features // 2
-    scratch = torch.empty(rows * (3 * width + (heads + 2 * kv_heads) * dim + heads * dim + 3 * inter), dtype=torch.bfloat16)
-    out = torch.empty_like(hidden)
-    lib.layer_step(
-        ctypes.addressof(plan), hidden.data_ptr(), out.data_ptr(), batch, steps, cos.data_ptr(), sin.data_ptr(),
-        own._k.data_ptr(), own._v.data_ptr(), *own._k.stride()[:3], *own._v.stride()[:3], length,
-        visible.data_ptr(), *visible.stride(), FEW_QUERIES, scratch.data_ptr(), torch.get_num_threads(),
-    )  # fmt: skip
-    own.length = length + steps
-    own._refresh()
-    return out
 
 
 def _plan(layer: nn.Module, prefix: step_attention.PackedPrefix, norms: ctypes.CDLL) -> Plan:
@@ -232,9 +273,10 @@ def _built() -> ctypes.CDLL | None:
     lib = compiled(_SOURCE, "layer_step")
     if lib is None:
         return None
-    lib.layer_step.restype = None
-    lib.layer_step.argtypes = (
-        [ctypes.c_void_p] * 3
+    lib.stack_step.restype = None
+    lib.stack_step.argtypes = (
+        [ctypes.c_void_p, ctypes.c_long]
+        + [ctypes.c_void_p] * 2
         + [ctypes.c_long] * 2
         + [ctypes.c_void_p] * 4
         + [ctypes.c_long] * 7

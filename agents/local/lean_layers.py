@@ -24,16 +24,20 @@ from functools import cache
 from typing import Any
 
 import torch
+from cgym.agents.local.decode_attention import MAX_QUERIES
 from cgym.agents.local.kernels import C_HEADER, compiled, enabled
-from cgym.agents.local.layer_step import decode_step
+from cgym.agents.local.layer_step import decode_step, stack_step
 from cgym.agents.local.packed import FusedLinear, pack_linears, packable
 from torch import Tensor, nn
+from transformers.masking_utils import create_causal_mask
+from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 QKV = ("q_proj", "k_proj", "v_proj")
 GATE_UP = ("gate_proj", "up_proj")
 SILU = ("SiLU", "SiLUActivation")  # torch's and transformers' module for `F.silu`
 MODEL_TYPES = ("llama", "qwen2")  # configurations whose decoder layer `lean_forward` reproduces
+STACKED = ("llama",)  # and whose model's forward `lean_model_forward` reproduces (Qwen2 masks by layer type)
 
 
 def sampling_model(model: nn.Module) -> nn.Module:
@@ -41,10 +45,14 @@ def sampling_model(model: nn.Module) -> nn.Module:
     layers lean, its other linear layers packed. Returned as it is elsewhere."""
     if not packable(model):
         return model
-    if getattr(getattr(model, "config", None), "model_type", None) in MODEL_TYPES:
-        for layer in _decoder_layers(model):
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type in MODEL_TYPES:
+        layers = _decoder_layers(model)
+        for layer in layers:
             if fits(layer):
                 make_lean(layer)
+        if model_type in STACKED and layers and all(is_lean(layer) for layer in layers):
+            model.model.__class__ = _lean_model_class(type(model.model))
     return pack_linears(model)
 
 
@@ -86,6 +94,49 @@ def _lean_class(cls: type) -> type:
     (a LoRA model folds a new one per optimizer step) would then wait for the garbage collector
     with all their weights (a medium GRPO step peaked at 5.25 GB that way, 5.04 GB without)."""
     return type(f"Lean{cls.__name__}", (cls,), {"forward": lean_forward, "lean": True, "__module__": __name__})
+
+
+@cache
+def _lean_model_class(cls: type) -> type:
+    """`cls` (a Llama model's body) with `lean_model_forward` as its forward."""
+    return type(f"Lean{cls.__name__}", (cls,), {"forward": lean_model_forward, "__module__": __name__})
+
+
+def lean_model_forward(
+    self: nn.Module,
+    input_ids: Tensor | None = None,
+    attention_mask: Tensor | None = None,
+    position_ids: Tensor | None = None,
+    cache: Any = None,
+    inputs_embeds: Tensor | None = None,
+    use_cache: bool | None = None,
+    **kwargs: Any,
+) -> Any:
+    """`LlamaModel.forward`, with a decode step's layers all in one C call where
+    `layer_step.stack_step` runs them: the same embedding, mask, rotary tables and final norm, and
+    the layers' outputs bit for bit. Anything else (a prefill, gradients, outputs asked of the
+    layers) is the parent's forward."""
+    config = self.config
+    parent = super(type(self), self).forward
+    plain = (
+        input_ids is None
+        or inputs_embeds is not None
+        or cache is None
+        or position_ids is None
+        or bool(kwargs)
+        or torch.is_grad_enabled()
+        or config.output_hidden_states
+        or config.output_attentions
+        or input_ids.shape[1] * (config.num_attention_heads // config.num_key_value_heads) > MAX_QUERIES
+    )
+    if not plain:
+        hidden = self.embed_tokens(input_ids)
+        mask = create_causal_mask(config=config, inputs_embeds=hidden, attention_mask=attention_mask, cache=cache, position_ids=position_ids)
+        out = stack_step(list(self.layers)[: config.num_hidden_layers], hidden, mask, cache, self.rotary_emb(hidden, position_ids=position_ids), _library())
+        if out is not None:
+            return BaseModelOutputWithPast(last_hidden_state=self.norm(out), cache=cache)
+        input_ids, inputs_embeds = None, hidden  # embedded already: the parent takes it from here
+    return parent(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
 
 
 def lean_forward(

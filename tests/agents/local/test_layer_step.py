@@ -46,22 +46,27 @@ def _sample(model: nn.Module, temperature: float, draft_tokens: int) -> list:
 
 
 @pytest.mark.parametrize(("kind", "temperature", "draft_tokens"), [("qwen2", 0.0, 4), ("qwen2", 1.0, 0), ("llama", 1.0, 4), ("llama", 0.0, 0)])
-def test_one_call_a_layer_samples_what_the_layer_op_by_op_samples(
+def test_one_call_a_step_samples_what_the_layers_op_by_op_sample(
     tiny_chat_model: Path, kind: str, temperature: float, draft_tokens: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Qwen2 steps a layer a call, Llama the whole stack of layers in one (its model's forward)."""
     model = _lean(tiny_chat_model, kind)
-    calls = []
-    real = layer_step.decode_step
+    ran: list[str] = []
 
-    def counted(*args: object) -> object:
-        out = real(*args)
-        calls.append(out is not None)
-        return out
+    def counted(name: str, real: object) -> object:
+        def call(*args: object) -> object:
+            out = real(*args)  # type: ignore[operator]
+            ran.extend([name] if out is not None else [])
+            return out
 
-    monkeypatch.setattr("cgym.agents.local.lean_layers.decode_step", counted)
+        return call
+
+    monkeypatch.setattr("cgym.agents.local.lean_layers.decode_step", counted("layer", layer_step.decode_step))
+    monkeypatch.setattr("cgym.agents.local.lean_layers.stack_step", counted("stack", layer_step.stack_step))
     fast = _sample(model, temperature, draft_tokens)
-    assert sum(calls) > 10, "the one-call step ran"
-    monkeypatch.setattr("cgym.agents.local.lean_layers.decode_step", lambda *args: None)
+    assert ran.count("stack" if kind == "llama" else "layer") > 10, "the one-call steps ran"
+    for name in ("decode_step", "stack_step"):
+        monkeypatch.setattr(f"cgym.agents.local.lean_layers.{name}", lambda *args: None)
     assert fast == _sample(model, temperature, draft_tokens)
 
 
