@@ -154,18 +154,32 @@ def stack_step(
     prefix = kv_cache._PREFIX.get()
     if prefix is None or kv_cache._FLASH_CPU is None or layers[0].self_attn.config._attn_implementation != kv_cache.PREFIX_ATTENTION:
         return None
+    shape = _shape(layers[0])
+    batch, steps, width = hidden.shape
+    cos, sin = position_embeddings
+    if shape is None or not (
+        hidden.dtype == cos.dtype == sin.dtype == torch.bfloat16
+        and hidden.is_contiguous()
+        and width % 16 == 0
+        and shape[0] // shape[1] * steps <= MAX_QUERIES
+        and cos.shape == sin.shape == (batch, steps, shape[2])
+        and cos.is_contiguous()
+        and sin.is_contiguous()
+    ):
+        return None
+    heads, kv_heads, dim, inter = shape
     caches = getattr(cache, "layers", ())
     owns = [caches[layer.self_attn.layer_idx] if layer.self_attn.layer_idx < len(caches) else None for layer in layers]
-    if not all(_fits(layer, hidden, position_embeddings, own, prefix.packed[layer.self_attn.layer_idx]) for layer, own in zip(layers, owns, strict=True)):
-        return None
+    packs = [prefix.packed[layer.self_attn.layer_idx] for layer in layers]
     first = owns[0]
-    length, strides = first.length, (*first._k.stride()[:3], *first._v.stride()[:3])
-    plens = {prefix.keys[layer.self_attn.layer_idx].shape[2] for layer in layers}
-    if any(own.length != length or (*own._k.stride()[:3], *own._v.stride()[:3]) != strides for own in owns) or len(plens) != 1:
+    if not isinstance(first, kv_cache.GrowingLayer) or first._k is None or first._v is None:
         return None
-    batch, steps, width = hidden.shape
-    attn, inter = layers[0].self_attn, layers[0].mlp.gate_up_proj.out_features // 2
-    heads, kv_heads, dim = attn.config.num_attention_heads, attn.config.num_key_value_heads, attn.head_dim
+    length, strides = first.length, (*first._k.stride(), *first._v.stride())
+    if not all(_room(layer, own, pack, shape, batch, steps, length, strides) for layer, own, pack in zip(layers, owns, packs, strict=True)):
+        return None
+    plens = {prefix.keys[layer.self_attn.layer_idx].shape[2] for layer in layers}
+    if len(plens) != 1:
+        return None
     visible = kv_cache._own_mask(attention_mask, batch, steps, length + steps, plens.pop(), hidden.device)
     if not (
         visible.dtype == torch.bool
@@ -173,14 +187,13 @@ def stack_step(
         and (heads // kv_heads * steps <= FEW_QUERIES or visible.stride(-1) == 1)
     ):
         return None
-    plans = [_plan(layer, prefix.packed[layer.self_attn.layer_idx], norms) for layer in layers]
+    plans = [_plan(layer, pack, norms) for layer, pack in zip(layers, packs, strict=True)]
     scratch = torch.empty(batch * steps * (3 * width + (heads + 2 * kv_heads) * dim + heads * dim + 3 * inter), dtype=torch.bfloat16)
     out = torch.empty_like(hidden)
-    cos, sin = position_embeddings
     addresses = ctypes.c_void_p * len(layers)
     lib.stack_step(
-        addresses(*(ctypes.addressof(plan) for plan in plans)), len(layers), hidden.data_ptr(), out.data_ptr(), batch, steps, cos.data_ptr(), sin.data_ptr(),
-        addresses(*(own._k.data_ptr() for own in owns)), addresses(*(own._v.data_ptr() for own in owns)), *strides, length,
+        addresses(*[ctypes.addressof(plan) for plan in plans]), len(layers), hidden.data_ptr(), out.data_ptr(), batch, steps, cos.data_ptr(), sin.data_ptr(),
+        addresses(*[own._k.data_ptr() for own in owns]), addresses(*[own._v.data_ptr() for own in owns]), *strides[:3], *strides[4:7], length,
         visible.data_ptr(), *visible.stride(), FEW_QUERIES, scratch.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     for own in owns:
@@ -189,38 +202,45 @@ def stack_step(
     return out
 
 
-def _fits(layer: nn.Module, hidden: Tensor, position_embeddings: tuple[Tensor, Tensor], own: Any, prefix: step_attention.PackedPrefix | None) -> bool:
-    """Whether each kernel `lean_forward` calls for `layer`'s step of (B, T) `hidden` is the one
-    a layer step calls: packed projections, bf16 rows, a packed prompt, the cache's growing
-    buffer with room for the step, few enough queries a row."""
-    attn, mlp = layer.self_attn, layer.mlp
-    batch, steps, width = hidden.shape
-    heads, kv_heads, dim = attn.config.num_attention_heads, attn.config.num_key_value_heads, attn.head_dim
-    cos, sin = position_embeddings
+def _shape(layer: nn.Module) -> tuple[int, int, int, int] | None:
+    """(query heads, kv heads, head size, MLP width) of a lean layer whose projections are all
+    packed for the pair kernel with the standard fused layout and sizes the kernels take, or None.
+    Kept on the layer: none of it changes when new weights are packed."""
+    if "_cgym_step_shape" not in layer.__dict__:
+        attn, mlp = layer.self_attn, layer.mlp
+        heads, kv_heads, dim = attn.config.num_attention_heads, attn.config.num_key_value_heads, attn.head_dim
+        projections = (getattr(attn, "qkv_proj", None), attn.o_proj, getattr(mlp, "gate_up_proj", None), mlp.down_proj)
+        fits = (
+            dim == HEAD_DIM
+            and heads % kv_heads == 0
+            and all(isinstance(p, packed.PackedLinear) and p.pairs for p in projections)
+            and attn.qkv_proj.widths == [heads * dim, kv_heads * dim, kv_heads * dim]
+            and mlp.gate_up_proj.out_features % 32 == 0
+        )
+        layer.__dict__["_cgym_step_shape"] = (heads, kv_heads, dim, mlp.gate_up_proj.out_features // 2) if fits else None
+    return layer.__dict__["_cgym_step_shape"]
+
+
+def _room(
+    layer: nn.Module, own: Any, pack: step_attention.PackedPrefix | None, shape: tuple[int, ...], batch: int, steps: int, length: int, strides: tuple[int, ...]
+) -> bool:
+    """Whether `layer` (of the first layer's `shape`) steps here too: a packed prompt, and a
+    growing cache buffer of the same length and layout as the first layer's, with room for `steps`."""
+    k, v = getattr(own, "_k", None), getattr(own, "_v", None)
     return (
-        prefix is not None
+        pack is not None
+        and _shape(layer) == shape
         and isinstance(own, kv_cache.GrowingLayer)
-        and own._k is not None
-        and own._v is not None
+        and k is not None
+        and v is not None
         and own.is_initialized
-        and hidden.dtype == torch.bfloat16
-        and hidden.is_contiguous()
-        and width % 16 == 0
-        and dim == HEAD_DIM
-        and heads % kv_heads == 0
-        and heads // kv_heads * steps <= MAX_QUERIES
-        and all(isinstance(p, packed.PackedLinear) and p.pairs for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
-        and attn.qkv_proj.widths == [heads * dim, kv_heads * dim, kv_heads * dim]
-        and mlp.gate_up_proj.out_features % 32 == 0
-        and cos.dtype == sin.dtype == torch.bfloat16
-        and cos.shape == sin.shape == (batch, steps, dim)
-        and cos.is_contiguous()
-        and sin.is_contiguous()
-        and own._k.shape[:2] == own._v.shape[:2] == (batch, kv_heads)
-        and own.length + steps <= min(own._k.shape[2], own._v.shape[2])
-        and own._k.stride(-1) == own._v.stride(-1) == 1
-        and own._k.dtype == own._v.dtype == torch.bfloat16
-        and prefix.keys.shape[0] == kv_heads
+        and own.length == length
+        and (*k.stride(), *v.stride()) == strides
+        and k.shape[:2] == v.shape[:2] == (batch, shape[1])
+        and length + steps <= min(k.shape[2], v.shape[2])
+        and strides[3] == strides[7] == 1
+        and k.dtype == v.dtype == torch.bfloat16
+        and pack.keys.shape[0] == shape[1]
     )
 
 
@@ -229,12 +249,16 @@ def _plan(layer: nn.Module, prefix: step_attention.PackedPrefix, norms: ctypes.C
     weights or a new prefix come in new tensors; one may land where an old one was, so all of
     them are compared, not some)."""
     attn, mlp = layer.self_attn, layer.mlp
-    projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-    layernorms = (layer.input_layernorm, layer.post_attention_layernorm)
+    qkv, o, gate_up, down = attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
+    norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
     addresses = (
-        *(n.weight.data_ptr() for n in layernorms),
-        *(p.packed.data_ptr() for p in projections),
-        *(None if p.wide_bias is None else p.wide_bias.data_ptr() for p in projections),
+        norm1.weight.data_ptr(),
+        norm2.weight.data_ptr(),
+        qkv.packed.data_ptr(),
+        o.packed.data_ptr(),
+        gate_up.packed.data_ptr(),
+        down.packed.data_ptr(),
+        *[None if p.wide_bias is None else p.wide_bias.data_ptr() for p in (qkv, o, gate_up, down)],
         prefix.keys.data_ptr(),
         prefix.values.data_ptr(),
         prefix.length,
@@ -242,11 +266,10 @@ def _plan(layer: nn.Module, prefix: step_attention.PackedPrefix, norms: ctypes.C
     kept = layer.__dict__.get("_cgym_step_plan")
     if kept is not None and kept[0] == addresses:
         return kept[1]
-    norm1, norm2, qkv, o, gate_up, down, *biases, keys, values, length = addresses
+    heads, kv_heads, dim, inter = _shape(layer) or (0, 0, 0, 0)
     plan = Plan(
-        *_kernels(norms), norm1, norm2, layernorms[0].variance_epsilon, layernorms[1].variance_epsilon, qkv, o, gate_up, down, *biases,
-        attn.o_proj.out_features, attn.config.num_attention_heads, attn.config.num_key_value_heads, attn.head_dim, mlp.gate_up_proj.out_features // 2,
-        attn.scaling, keys, values, length,
+        *_kernels(norms), *addresses[:2], norm1.variance_epsilon, norm2.variance_epsilon, *addresses[2:10],
+        o.out_features, heads, kv_heads, dim, inter, attn.scaling, *addresses[10:],
     )  # fmt: skip
     layer.__dict__["_cgym_step_plan"] = (addresses, plan)  # what it points at is held by the layer and the prefix
     return plan
