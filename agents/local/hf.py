@@ -61,8 +61,8 @@ class HFPolicy:
     joins each next turn to the rows still decoding (continuous batching); False (the default)
     runs the live conversations' turns together through `act`. Joined, a 4 x 8 sampled GRPO
     rollout took 1.22x less time a sampled id, and the 100-episode greedy eval of ApiReport easy
-    29.3-29.9 s against 25.3-27.9 s. It is off by default: over eighteen quickstart seeds, SFT +
-    GRPO reached 81% trained with it against 90% in lockstep, two of its seeds collapsing
+    29.3-29.9 s against 25.3-27.9 s. It is off by default: over twenty-four quickstart seeds, SFT +
+    GRPO reached 84% trained with it against 90% in lockstep, two of its seeds collapsing
     (benchmarks/RESULTS.md), for a reason not yet found.
     """
 
