@@ -20,7 +20,7 @@ every other linear layer packed.
 from __future__ import annotations
 
 import ctypes
-from functools import cache
+from functools import cache, partial
 from typing import Any
 
 import torch
@@ -51,7 +51,7 @@ def sampling_model(model: nn.Module) -> nn.Module:
         for layer in layers:
             if fits(layer):
                 make_lean(layer)
-        if model_type in STACKED and layers and all(is_lean(layer) for layer in layers):
+        if model_type in STACKED and layers and all(is_lean(layer) for layer in layers) and not is_lean(model.model):
             model.model.__class__ = _lean_model_class(type(model.model))
     return pack_linears(model)
 
@@ -83,7 +83,7 @@ def make_lean(layer: nn.Module) -> None:
 
 
 def is_lean(layer: nn.Module) -> bool:
-    """Whether `layer` runs `lean_forward`."""
+    """Whether `layer` runs `lean_forward` (or a model's body `lean_model_forward`)."""
     return getattr(type(layer), "lean", False) is True
 
 
@@ -98,8 +98,8 @@ def _lean_class(cls: type) -> type:
 
 @cache
 def _lean_model_class(cls: type) -> type:
-    """`cls` (a Llama model's body) with `lean_model_forward` as its forward."""
-    return type(f"Lean{cls.__name__}", (cls,), {"forward": lean_model_forward, "__module__": __name__})
+    """`cls` (a Llama model's body) with `lean_model_forward` as its forward; `cls` stays its parent's."""
+    return type(f"Lean{cls.__name__}", (cls,), {"forward": lean_model_forward, "lean": True, "parent": cls, "__module__": __name__})
 
 
 def lean_model_forward(
@@ -117,7 +117,7 @@ def lean_model_forward(
     the layers' outputs bit for bit. Anything else (a prefill, gradients, outputs asked of the
     layers) is the parent's forward."""
     config = self.config
-    parent = super(type(self), self).forward
+    parent = partial(type(self).parent.forward, self)
     plain = (
         input_ids is None
         or inputs_embeds is not None

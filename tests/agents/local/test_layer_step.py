@@ -85,3 +85,11 @@ def test_a_layers_plan_follows_every_address_it_holds(tiny_chat_model: Path) -> 
     down = layer.mlp.down_proj
     down.load(torch.ones(down.out_features, down.in_features), None)  # new weights, packed anew
     assert layer_step._plan(layer, second, norms).down == down.packed.data_ptr()
+
+
+def test_a_model_prepared_twice_steps_as_once(tiny_chat_model: Path) -> None:
+    """`sampling_model` on a model it already prepared leaves its body's forward as it was."""
+    model = _lean(tiny_chat_model, "llama")
+    body = type(model.model)
+    assert sampling_model(model) is model and type(model.model) is body
+    assert _sample(model, 0.0, 4)
