@@ -61,9 +61,8 @@ typedef struct {
 /* h <- bf16(h + x), count values (a multiple of 16), each sum rounded to nearest even as PyTorch adds bf16 */
 static void add_rounded(uint16_t *h, const uint16_t *x, long count) {
     for (long i = 0; i < count; i += 16) {
-        __m512 a = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(h + i))), 16));
-        __m512 b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + i))), 16));
-        _mm256_storeu_si256((__m256i *)(h + i), (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(a, b)));
+        __m512 sum = _mm512_add_ps(load_bf16(h + i, lanes(16)), load_bf16(x + i, lanes(16)));
+        _mm256_storeu_si256((__m256i *)(h + i), (__m256i)_mm512_cvtneps_pbh(sum));
     }
 }
 
