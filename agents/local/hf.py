@@ -21,7 +21,7 @@ from cgym.agents.local.batching import kv_budgets, kv_bytes_per_token, length_ch
 from cgym.agents.local.joins import Request
 from cgym.agents.local.kv_cache import PrefixCache
 from cgym.agents.local.lean_layers import sampling_model
-from cgym.agents.local.precision import SamplingWeights, compute_dtype
+from cgym.agents.local.precision import SamplingWeights, compute_dtype, sampling_dtype
 from cgym.agents.local.sampling import LOOKUP_TOKENS, Sample, sample_batch, sample_turns
 from cgym.agents.local.turn_cache import TurnCache
 from cgym.agents.options import DEFAULT_SAMPLING, SamplingOptions
@@ -112,21 +112,22 @@ class HFPolicy:
         local directory, GGUF file or hub name.
 
         `dtype` defaults to the compute dtype (`agents.local.precision`: bf16 on GPUs and on CPUs with
-        native bf16), the dtype sampling runs in, so a policy that only samples holds one copy
-        of the weights. A trainer passes float32 for its master weights and samples from a
-        bf16 copy.
+        native bf16), and for an `inference_only` policy to the dtype sampling runs in (bf16 also
+        for a Llama or Qwen2 where this project's kernels run), so a policy that only samples
+        holds one copy of the weights. A trainer passes float32 for its master weights and
+        samples from a bf16 copy.
 
         `inference_only` says the policy will only ever sample (an eval, a comparison, a critic):
         its model's linear layers are then packed in place for oneDNN where the CPU takes it
         (`agents.local.packed`: decode steps read each weight once, `agents.local.lean_layers`:
         fewer ops a layer), and the plain weights are gone, so that model cannot be trained or
         saved."""
-        if dtype is None:
-            dtype = compute_dtype(device)
         if torch.device(device).type == "cpu":
             keep_freed_memory()
-        model, tokenizer = load_pretrained(name_or_path, dtype=dtype)
-        if inference_only and dtype == compute_dtype(device):
+        model, tokenizer = load_pretrained(name_or_path, dtype=dtype or compute_dtype(device))
+        if inference_only and dtype is None and sampling_dtype(model) != model.dtype:
+            model.to(sampling_dtype(model))  # bf16 for the kernels on a CPU without native bf16
+        if inference_only and model.dtype == sampling_dtype(model):
             sampling_model(model.requires_grad_(False))
         return cls(model, tokenizer, device=device, name=f"hf:{name_or_path}", **kw)
 

@@ -1,11 +1,15 @@
 """This project's small C kernels: built on first use, kept by their source's hash, optional.
 
-A kernel's source is compiled (about a second) with the system's C compiler for AVX-512 with
-BF16, linked to the OpenMP runtime PyTorch loaded (one thread pool), and kept in the model
-cache's `kernels/` as `STEM_HASH.so`, the hash covering the source, compiler and flags. Without
-a compiler, on a CPU without AVX512-BF16, off Linux, or where the build fails, `compiled`
-answers None and callers keep their PyTorch path. `CGYM_DECODE_KERNEL=0` turns every kernel off
-(the name is the first kernel's, the decode step's attention).
+A kernel's source is compiled (about a second) with the system's C compiler for AVX-512,
+linked to the OpenMP runtime PyTorch loaded (one thread pool), and kept in the model cache's
+`kernels/` as `STEM_HASH.so`, the hash covering the source, compiler and flags. The kernels read
+and write bf16 and compute in fp32. Their two bf16 instructions are AVX512-BF16's where the CPU
+has it; on plain AVX-512 (Ice Lake, Skylake) the header spells them out in AVX512F, with the
+same sums: `_mm512_dpbf16_ps` as two fused multiply-adds, odd element first (a product of two
+bf16 is exact in fp32), and `_mm512_cvtneps_pbh` as round to nearest even. Without a compiler,
+on a CPU without AVX512F/BW/VL, off Linux, or where the build fails, `compiled` answers None and
+callers keep their PyTorch path. `CGYM_DECODE_KERNEL=0` turns every kernel off (the name is the
+first kernel's, the decode step's attention).
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ import torch
 from cgym.agents.pretrained import ModelFetchError, cache_root
 
 KERNEL_ENV = "CGYM_DECODE_KERNEL"
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC"]
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC"]
+BF16_FLAG = "-mavx512bf16"  # where the CPU has the instructions; else the header's AVX512F forms
+AVX512 = frozenset({"avx512f", "avx512bw", "avx512vl", "fma"})
 
 # What every kernel's source starts with: the headers, a 16-lane exp, bf16 read as fp32.
 C_HEADER = r"""
@@ -33,6 +39,24 @@ C_HEADER = r"""
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#ifndef __AVX512BF16__ /* AVX512-BF16's two instructions in AVX512F, the same sums */
+static inline __m512 emulated_dpbf16(__m512 acc, __m512bh a, __m512bh b) { /* acc += a.odd b.odd, then a.even b.even */
+    const __m512i high = _mm512_set1_epi32((int)0xffff0000);
+    acc = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512((__m512i)a, high)), _mm512_castsi512_ps(_mm512_and_si512((__m512i)b, high)), acc);
+    return _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32((__m512i)a, 16)), _mm512_castsi512_ps(_mm512_slli_epi32((__m512i)b, 16)), acc);
+}
+static inline __m256bh emulated_cvtne(__m512 x) { /* fp32 -> bf16, nearest even; NaN stays a quiet NaN */
+    __m512i bits = _mm512_castps_si512(x);
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
+    __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(bits, _mm512_set1_epi32(0x00400000)));
+    return (__m256bh)_mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+}
+#define _mm512_dpbf16_ps emulated_dpbf16
+#define _mm512_cvtneps_pbh emulated_cvtne
+#endif
 
 /* e^x for x <= 0 (x >= -87.3 or it is 0), 16 lanes: 2^n * p(r), x = n ln2 + r, |r| <= ln2 / 2 */
 static inline __m512 exp_neg(__m512 x) {
@@ -79,11 +103,28 @@ def enabled() -> bool:
     return os.environ.get(KERNEL_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
 
 
-def cpu_has_avx512_bf16() -> bool:
+@cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux lists them (empty where /proc/cpuinfo cannot be read)."""
     try:
-        return "avx512_bf16" in Path("/proc/cpuinfo").read_text()
+        text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
+        return frozenset()
+    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    return frozenset(line.partition(":")[2].split())
+
+
+def cpu_has_avx512_bf16() -> bool:
+    return "avx512_bf16" in cpu_flags()
+
+
+def available() -> bool:
+    """Whether kernels can run on this CPU at all (AVX512F, BW and VL; BF16 is optional)."""
+    return AVX512 <= cpu_flags()
+
+
+def flags() -> list[str]:
+    return [*FLAGS, BF16_FLAG] if cpu_has_avx512_bf16() else FLAGS
 
 
 @cache
@@ -91,11 +132,12 @@ def compiled(source: str, stem: str) -> ctypes.CDLL | None:
     """`source` built into a shared library and loaded (once per process; once per machine and
     source in the model cache); None where it cannot be."""
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if compiler is None or not sys.platform.startswith("linux") or not cpu_has_avx512_bf16():
+    if compiler is None or not sys.platform.startswith("linux") or not available():
         return None
+    build = flags()
     omp = Path(torch.__file__).parent / "lib"
     link = [f"-L{omp}", f"-Wl,-rpath,{omp}"] if any(omp.glob("libgomp*.so*")) else []
-    digest = hashlib.sha256("\0".join([source, compiler, *FLAGS, *link]).encode()).hexdigest()[:16]
+    digest = hashlib.sha256("\0".join([source, compiler, *build, *link]).encode()).hexdigest()[:16]
     try:
         target = cache_root() / "kernels" / f"{stem}_{digest}.so"  # beside the models
     except ModelFetchError:  # the cache names a file: no kernel, and the models say why
@@ -106,7 +148,7 @@ def compiled(source: str, stem: str) -> ctypes.CDLL | None:
             with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
                 path, built = Path(tmp) / f"{stem}.c", Path(tmp) / target.name
                 path.write_text(source)
-                subprocess.run([compiler, *FLAGS, str(path), "-o", str(built), *link], check=True, capture_output=True, timeout=120)
+                subprocess.run([compiler, *build, str(path), "-o", str(built), *link], check=True, capture_output=True, timeout=120)
                 os.replace(built, target)  # atomic: a concurrent build finds a whole file or none
         except (OSError, subprocess.SubprocessError):
             return None

@@ -28,6 +28,7 @@ from cgym.agents.local.decode_attention import MAX_QUERIES
 from cgym.agents.local.kernels import C_HEADER, compiled, enabled
 from cgym.agents.local.layer_step import decode_step, stack_step
 from cgym.agents.local.packed import FusedLinear, pack_linears, packable
+from cgym.agents.local.packed import _library as pair_kernel
 from torch import Tensor, nn
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_outputs import BaseModelOutputWithPast
@@ -54,6 +55,14 @@ def sampling_model(model: nn.Module) -> nn.Module:
         if model_type in STACKED and layers and all(is_lean(layer) for layer in layers) and not is_lean(model.model):
             model.model.__class__ = _lean_model_class(type(model.model))
     return pack_linears(model)
+
+
+def samples_lean(model: nn.Module) -> bool:
+    """Whether `model` is of a family whose bf16 sampler runs this project's kernels here (a Llama
+    or Qwen2, on a CPU the kernels build for). Checked on the family, not the layers, so that a
+    LoRA-wrapped model answers as its folded copy will."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    return model_type in MODEL_TYPES and _library() is not None and pair_kernel() is not None
 
 
 def fits(layer: nn.Module) -> bool:
@@ -136,7 +145,9 @@ def lean_model_forward(
         if out is not None:
             return BaseModelOutputWithPast(last_hidden_state=self.norm(out), cache=cache)
         input_ids, inputs_embeds = None, hidden  # embedded already: the parent takes it from here
-    return parent(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
+    return parent(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs
+    )
 
 
 def lean_forward(

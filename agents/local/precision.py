@@ -15,33 +15,66 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from functools import cache, partial
 
 import torch
+from cgym.agents.local.kernels import cpu_flags
 from cgym.agents.local.kv_cache import FOLDED_FROM, weights_version
-from cgym.agents.local.lean_layers import sampling_model
+from cgym.agents.local.lean_layers import samples_lean, sampling_model
 from cgym.agents.local.lora import folded, has_adapters, refold
 from cgym.agents.local.packed import copy_weights
 
 DTYPE_ENV = "CGYM_DTYPE"
 
 
+NATIVE_BF16 = frozenset({"avx512_bf16", "amx_bf16"})
+
+
+def native_bf16(flags: frozenset[str]) -> bool:
+    """Whether CPU `flags` include bf16 dot products. oneDNN also calls bf16 "supported" on plain
+    AVX-512 (Ice Lake, Skylake), where it emulates it: 70 against 360 GFLOP/s for fp32 measured
+    on a 2-core Ice Lake."""
+    return bool(flags & NATIVE_BF16)
+
+
 @cache
 def cpu_has_bf16() -> bool:
-    """Whether this CPU runs bf16 matmuls natively (oneDNN's check: AVX512-BF16 or AMX)."""
+    """Whether this CPU runs bf16 matmuls natively: its flags say so and oneDNN takes them."""
     try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        onednn = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):
         return False
+    return onednn and native_bf16(cpu_flags())
 
 
-def compute_dtype(device: torch.device | str = "cpu") -> torch.dtype:
-    """bf16 on GPUs and on CPUs with native bf16, else fp32; `CGYM_DTYPE` overrides."""
+def _forced() -> torch.dtype | None:
     forced = os.environ.get(DTYPE_ENV, "").strip().lower()
     if forced in ("float32", "fp32"):
         return torch.float32
     if forced in ("bfloat16", "bf16"):
         return torch.bfloat16
+    return None
+
+
+def compute_dtype(device: torch.device | str = "cpu") -> torch.dtype:
+    """bf16 on GPUs and on CPUs with native bf16, else fp32; `CGYM_DTYPE` overrides."""
+    forced = _forced()
+    if forced is not None:
+        return forced
     if torch.device(device).type != "cpu":
         return torch.bfloat16
     return torch.bfloat16 if cpu_has_bf16() else torch.float32
+
+
+def sampling_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype `model` samples in: the compute dtype, and bf16 also on a CPU without native
+    bf16 where a Llama or Qwen2 samples through this project's kernels (`samples_lean`). Those
+    read bf16 weights and sum in fp32 with AVX512F, so a decode step reads half the bytes of
+    fp32's and none of its matmuls go to oneDNN's emulated bf16 (~70 GFLOP/s on an Ice Lake that
+    runs fp32 at ~250-360). Training stays in the compute dtype. `CGYM_DTYPE` overrides both."""
+    param = next(model.parameters(), None)
+    device = param.device if param is not None else torch.device("cpu")
+    dtype = compute_dtype(device)
+    if dtype == torch.float32 and _forced() is None and device.type == "cpu" and samples_lean(model):
+        return torch.bfloat16
+    return dtype
 
 
 def autocast(model: torch.nn.Module) -> AbstractContextManager[object]:
@@ -124,14 +157,13 @@ class SamplingWeights:
     @property
     def separate(self) -> bool:
         """Whether sampling runs on a copy in another dtype (its log-probs then differ a little)."""
-        params = next(self.model.parameters())
-        return compute_dtype(params.device) != params.dtype
+        return sampling_dtype(self.model) != next(self.model.parameters()).dtype
 
     def get(self) -> torch.nn.Module:
         adapters = has_adapters(self.model)
         if not self.separate and not adapters:
             return self.model
-        dtype = compute_dtype(next(self.model.parameters()).device)
+        dtype = sampling_dtype(self.model)
         version = weights_version(self.model)
         if adapters and self._copy is None:  # LoRA: a plain copy with the adapters folded in
             self._copy = sampling_model(folded(self.model, dtype).eval().requires_grad_(False))

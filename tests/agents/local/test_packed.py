@@ -126,7 +126,7 @@ def test_fp32_and_parameterless_models_are_left_plain(tiny_chat_model: Path) -> 
 
 
 @requires_packing
-@pytest.mark.skipif(not cpu_has_bf16(), reason="this CPU has no native bf16")
+@pytest.mark.skipif(not cpu_has_bf16() and not _kernels_run(), reason="no native bf16 and no kernels here")
 def test_the_samplers_copy_is_packed_and_follows_the_trainers_weights(tiny_chat_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """fp32 master weights, full fine-tuning: the bf16 copy is packed once, then refreshed in
     place after each update, packed layers included."""
@@ -149,7 +149,7 @@ def test_the_samplers_copy_is_packed_and_follows_the_trainers_weights(tiny_chat_
 
 
 @requires_packing
-@pytest.mark.skipif(not cpu_has_bf16(), reason="this CPU has no native bf16")
+@pytest.mark.skipif(not cpu_has_bf16() and not _kernels_run(), reason="no native bf16 and no kernels here")
 def test_a_lora_models_folded_copy_is_packed_and_its_base_left_alone(tiny_chat_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("peft")
     from cgym.agents.local.lora import merged, with_lora
@@ -171,7 +171,7 @@ def test_a_lora_models_folded_copy_is_packed_and_its_base_left_alone(tiny_chat_m
 
 
 @requires_packing
-@pytest.mark.skipif(not cpu_has_bf16(), reason="this CPU has no native bf16")
+@pytest.mark.skipif(not cpu_has_bf16() and not _kernels_run(), reason="no native bf16 and no kernels here")
 def test_an_inference_only_policy_samples_from_its_own_packed_model(tiny_chat_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`cgym eval`'s policies (`load_policy`) pack the model they load, in place; a policy loaded
     to be trained keeps its plain weights; both sample the same turns."""

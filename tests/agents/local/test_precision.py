@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 from cgym.agents.base import Conversation
+from cgym.agents.local import kernels, precision
 from cgym.agents.local.hf import HFPolicy
 from cgym.agents.local.kv_cache import weights_version
-from cgym.agents.local.precision import DTYPE_ENV, SamplingWeights, autocast, compute_dtype, cpu_has_bf16
+from cgym.agents.local.precision import DTYPE_ENV, SamplingWeights, autocast, compute_dtype, cpu_has_bf16, native_bf16, sampling_dtype
 from cgym.agents.local.sampling import sequence_logprobs
 from cgym.agents.options import SamplingOptions
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -23,6 +24,50 @@ def _conversation() -> Conversation:
     return Conversation([{"role": "system", "content": "You write JSON reports."}, {"role": "user", "content": "Report customer 7."}])
 
 
+ICE_LAKE = "fpu sse2 avx2 fma avx512f avx512dq avx512cd avx512bw avx512vl avx512_vnni avx512_bitalg avx512_vpopcntdq"
+
+
+@pytest.mark.parametrize(
+    ("flags", "native"),
+    [
+        (ICE_LAKE, False),  # oneDNN calls bf16 supported here, and emulates it at a fifth of fp32's rate
+        (ICE_LAKE + " avx512_bf16", True),  # Cooper Lake, Zen 4
+        (ICE_LAKE + " amx_bf16 amx_tile", True),  # Sapphire Rapids
+        ("", False),
+    ],
+)
+def test_bf16_counts_as_native_only_with_its_instructions(flags: str, native: bool) -> None:
+    assert native_bf16(frozenset(flags.split())) is native
+
+
+def test_a_cpu_without_bf16_instructions_computes_in_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(DTYPE_ENV, raising=False)
+    monkeypatch.setattr(precision, "cpu_flags", lambda: frozenset(ICE_LAKE.split()))
+    precision.cpu_has_bf16.cache_clear()
+    try:
+        assert compute_dtype() == torch.float32
+    finally:
+        precision.cpu_has_bf16.cache_clear()
+
+
+def test_a_llama_samples_in_bf16_where_the_kernels_run_without_native_bf16(tiny_chat_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Training stays fp32 there; a family the kernels do not run, or `CGYM_DTYPE=float32`,
+    samples in fp32 too."""
+    monkeypatch.delenv(DTYPE_ENV, raising=False)
+    monkeypatch.setattr(precision, "cpu_has_bf16", lambda: False)
+    monkeypatch.setattr(precision, "samples_lean", lambda model: model.config.model_type == "qwen2")
+    model = AutoModelForCausalLM.from_pretrained(tiny_chat_model)  # a Qwen2
+    assert compute_dtype() == torch.float32 and sampling_dtype(model) == torch.bfloat16
+    weights = SamplingWeights(model)
+    assert weights.separate and next(weights.get().parameters()).dtype == torch.bfloat16
+    assert type(autocast(model)).__name__ == "nullcontext"
+    monkeypatch.setattr(precision, "samples_lean", lambda model: False)
+    assert sampling_dtype(model) == torch.float32 and SamplingWeights(model).get() is model
+    monkeypatch.setattr(precision, "samples_lean", lambda model: True)
+    monkeypatch.setenv(DTYPE_ENV, "float32")
+    assert sampling_dtype(model) == torch.float32
+
+
 def test_fp32_fallback_uses_the_model_itself(tiny_chat_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(DTYPE_ENV, "float32")
     model = AutoModelForCausalLM.from_pretrained(tiny_chat_model)
@@ -32,7 +77,7 @@ def test_fp32_fallback_uses_the_model_itself(tiny_chat_model: Path, monkeypatch:
     assert not torch.is_autocast_enabled("cpu") and type(autocast(model)).__name__ == "nullcontext"
 
 
-@pytest.mark.skipif(not cpu_has_bf16(), reason="this CPU has no native bf16")
+@pytest.mark.skipif(not cpu_has_bf16() and not kernels.available(), reason="no native bf16 and no kernels here")
 def test_bf16_sampling_agrees_with_the_training_pass(tiny_chat_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(DTYPE_ENV, "bfloat16")
     model = AutoModelForCausalLM.from_pretrained(tiny_chat_model)
@@ -52,7 +97,7 @@ def test_bf16_sampling_agrees_with_the_training_pass(tiny_chat_model: Path, monk
     assert abs(float(torch.exp(trained[mask] - stored[mask]).mean()) - 1.0) < 0.05
 
 
-@pytest.mark.skipif(not cpu_has_bf16(), reason="this CPU has no native bf16")
+@pytest.mark.skipif(not cpu_has_bf16() and not kernels.available(), reason="no native bf16 and no kernels here")
 def test_the_sampling_copy_follows_weight_updates(tiny_chat_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(DTYPE_ENV, "bfloat16")
     model = AutoModelForCausalLM.from_pretrained(tiny_chat_model)
