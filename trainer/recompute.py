@@ -16,6 +16,7 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from functools import partial
 
 import torch
+from cgym.agents.local.kv_cache import attention_on_pairs, attention_pairs_on
 from cgym.trainer.rollout import TOKEN_BUDGET
 from torch.utils.checkpoint import checkpoint
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -26,13 +27,19 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [module for module in model.modules() if isinstance(module, GradientCheckpointingLayer)]
 
 
+def _same_attention() -> tuple[AbstractContextManager[None], AbstractContextManager[None]]:
+    """The forward as it runs, and its recomputation in the backward pass under the attention
+    the forward had (`attention_on_pairs`, which autocast's own state does not carry)."""
+    return nullcontext(), attention_on_pairs(attention_pairs_on())
+
+
 @contextmanager
 def recomputed_layers(model: torch.nn.Module) -> Iterator[int]:
     """Within the block, `model`'s decoder layers keep only their inputs for the backward pass and
     recompute the rest there. Yields how many layers that covers (0: none found, nothing changes)."""
     layers = decoder_layers(model)
     for layer in layers:
-        layer.forward = partial(checkpoint, layer.forward, use_reentrant=False)  # the instance's, over the class's
+        layer.forward = partial(checkpoint, layer.forward, use_reentrant=False, context_fn=_same_attention)  # the instance's, over the class's
     try:
         yield len(layers)
     finally:

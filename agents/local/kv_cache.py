@@ -367,6 +367,27 @@ def prefix_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value:
     return out.to(query.dtype), None
 
 
+_PAIRS: ContextVar[bool] = ContextVar("cgym_attention_on_pairs", default=False)
+
+
+@contextmanager
+def attention_on_pairs(on: bool = True) -> Iterator[None]:
+    """Within the block, attention of fp32 queries on the CPU takes its products on bf16 pairs in
+    the C kernels where they run, as it does under bf16 autocast: an fp32 training pass on a CPU
+    without native bf16 (`precision.autocast`), whose attention the flash kernel otherwise ran in
+    fp32 over every masked-out block. The rest of the pass stays fp32."""
+    token = _PAIRS.set(on)
+    try:
+        yield
+    finally:
+        _PAIRS.reset(token)
+
+
+def attention_pairs_on() -> bool:
+    """Whether `attention_on_pairs` is in force here (what a recomputed layer must run under too)."""
+    return _PAIRS.get()
+
+
 def grouped_attention(query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor, scale: float | None, dropout: float = 0.0) -> Tensor:
     """SDPA of (B, H, q, D) queries over (B, H_kv, S, D) keys with a mask, each kv head read by
     its H / H_kv query heads in place; (B, q, H, D) out.
@@ -376,9 +397,10 @@ def grouped_attention(query: Tensor, key: Tensor, value: Tensor, attention_mask:
     kernel reads each kv head for its group: in the GRPO training pass's shapes (4 rows, 570
     queries over 1,310 keys, bf16) attention forward plus backward took 10-17% less time in
     two microbenchmarks. In bf16 (a bf16 sampler's, or under bf16 autocast: the training pass)
-    it goes to `kernel_attention` where the C kernels run.
+    it goes to `kernel_attention` where the C kernels run, and so does fp32 under
+    `attention_on_pairs`.
     """
-    low = query.dtype == torch.bfloat16 or (torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16)
+    low = query.dtype == torch.bfloat16 or (torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16) or _PAIRS.get()
     if low and dropout == 0.0 and attention_mask.dim() == 4 and attention_mask.shape[1] == 1:
         visible = attention_mask[:, 0] if attention_mask.dtype == torch.bool else attention_mask[:, 0] == 0
         scale = scale if scale is not None else query.shape[-1] ** -0.5

@@ -11,7 +11,8 @@ under autocast: half the bytes) are kept.
 For bf16 logits on a CPU that runs `agents.local.kernels`, both passes are one C loop per row:
 the forward reads the bf16 row twice (max, then the sum of exps) and writes nothing of its size,
 the backward writes the bf16 gradient directly. The fp32 copies those passes made (~50 MB per
-row of 263 columns, each new) took ~50-75 ms a row on the 2-core machine.
+row of 263 columns, each new) took ~50-75 ms a row on the 2-core machine. fp32 logits (an fp32
+training pass's, where the CPU has no native bf16) take the same loops, compiled for fp32.
 """
 
 from __future__ import annotations
@@ -24,61 +25,77 @@ import torch
 from cgym.agents.local.kernels import C_HEADER, compiled, enabled
 from torch import Tensor
 
-_SOURCE = C_HEADER + r"""
+_SOURCE = r"""
+#ifdef FP32_LOGITS /* the same loops over fp32 logits, and an fp32 gradient */
+typedef float logit;
+#define LOAD(p, m) _mm512_maskz_loadu_ps(m, p)
+#define VALUE(x) (x)
+#define STORE(p, m, w) _mm512_mask_storeu_ps(p, m, w)
+#define NARROW(f) (f)
+#else
+typedef uint16_t logit;
+#define LOAD(p, m) load_bf16(p, m)
+#define VALUE(x) bf16_value(x)
+#define STORE(p, m, w) _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(w))
+#define NARROW(f) to_bf16(f)
+#endif
+
 static inline uint16_t to_bf16(float f) { /* round to nearest even, as PyTorch casts */
     uint32_t bits; memcpy(&bits, &f, 4);
     return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
-/* Row r of (K, V) bf16 logits x (rows xs apart): lse[r] = log sum_v exp(x[r, v] inv_t), and
+/* Row r of (K, V) logits x (rows xs apart): lse[r] = log sum_v exp(x[r, v] inv_t), and
    picked[r] = x[r, target[r]] inv_t - lse[r]. */
-void row_logprobs(const uint16_t *x, const int64_t *target, float *lse, float *picked,
+void row_logprobs(const logit *x, const int64_t *target, float *lse, float *picked,
                   long K, long V, long xs, float inv_t, int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (long r = 0; r < K; r++) {
-        const uint16_t *row = x + r * xs;
+        const logit *row = x + r * xs;
         const __m512 scale = _mm512_set1_ps(inv_t);
         __m512 top = _mm512_set1_ps(-INFINITY);
         for (long v = 0; v < V; v += 16) {
             __mmask16 m = lanes(V - v);
-            top = _mm512_mask_max_ps(top, m, top, _mm512_mul_ps(load_bf16(row + v, m), scale));
+            top = _mm512_mask_max_ps(top, m, top, _mm512_mul_ps(LOAD(row + v, m), scale));
         }
         float peak = _mm512_reduce_max_ps(top);
         __m512 high = _mm512_set1_ps(peak), sum = _mm512_setzero_ps();
         for (long v = 0; v < V; v += 16) {
             __mmask16 m = lanes(V - v);
-            sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(m, exp_neg(_mm512_fmsub_ps(load_bf16(row + v, m), scale, high))));
+            sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(m, exp_neg(_mm512_fmsub_ps(LOAD(row + v, m), scale, high))));
         }
         lse[r] = peak + logf(_mm512_reduce_add_ps(sum));
-        picked[r] = bf16_value(row[target[r]]) * inv_t - lse[r];
+        picked[r] = VALUE(row[target[r]]) * inv_t - lse[r];
     }
 }
 
 /* The gradient of picked with respect to x, times grad: out[r, v] = bf16(grad[r] inv_t
    (onehot(target[r])[v] - exp(x[r, v] inv_t - lse[r]))), rows os apart. */
-void row_logprobs_backward(const uint16_t *x, const int64_t *target, const float *lse, const float *grad,
-                           uint16_t *out, long K, long V, long xs, long os, float inv_t, int threads) {
+void row_logprobs_backward(const logit *x, const int64_t *target, const float *lse, const float *grad,
+                           logit *out, long K, long V, long xs, long os, float inv_t, int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (long r = 0; r < K; r++) {
-        const uint16_t *row = x + r * xs;
-        uint16_t *dst = out + r * os;
+        const logit *row = x + r * xs;
+        logit *dst = out + r * os;
         const __m512 scale = _mm512_set1_ps(inv_t), low = _mm512_set1_ps(lse[r]), weight = _mm512_set1_ps(-grad[r] * inv_t);
         for (long v = 0; v < V; v += 16) {
             __mmask16 m = lanes(V - v);
-            __m512 w = _mm512_mul_ps(exp_neg(_mm512_fmsub_ps(load_bf16(row + v, m), scale, low)), weight);
-            _mm256_mask_storeu_epi16(dst + v, m, (__m256i)_mm512_cvtneps_pbh(w));
+            __m512 w = _mm512_mul_ps(exp_neg(_mm512_fmsub_ps(LOAD(row + v, m), scale, low)), weight);
+            STORE(dst + v, m, w);
         }
         long t = target[r];
-        float p = expf(bf16_value(row[t]) * inv_t - lse[r]);
-        dst[t] = to_bf16(-p * grad[r] * inv_t + grad[r] * inv_t);
+        float p = expf(VALUE(row[t]) * inv_t - lse[r]);
+        dst[t] = NARROW(-p * grad[r] * inv_t + grad[r] * inv_t);
     }
 }
 """
 
 
 @cache
-def _library() -> ctypes.CDLL | None:
-    lib = compiled(_SOURCE, "row_logprobs")
+def _library(dtype: torch.dtype = torch.bfloat16) -> ctypes.CDLL | None:
+    """The kernels for bf16 or for fp32 logits (the training pass's where it runs in fp32)."""
+    fp32 = dtype == torch.float32
+    lib = compiled(C_HEADER + ("#define FP32_LOGITS\n" if fp32 else "") + _SOURCE, "row_logprobs_fp32" if fp32 else "row_logprobs")
     if lib is None:
         return None
     lib.row_logprobs.restype = lib.row_logprobs_backward.restype = None
@@ -88,10 +105,10 @@ def _library() -> ctypes.CDLL | None:
 
 
 def _kernel_for(logits: Tensor) -> ctypes.CDLL | None:
-    """The C kernels where they take these (K, V) logits: bf16 on the CPU, rows contiguous."""
-    if logits.dtype != torch.bfloat16 or logits.device.type != "cpu" or logits.dim() != 2 or logits.stride(-1) != 1 or not enabled():
+    """The C kernels where they take these (K, V) logits: bf16 or fp32 on the CPU, rows contiguous."""
+    if logits.dtype not in (torch.bfloat16, torch.float32) or logits.device.type != "cpu" or logits.dim() != 2 or logits.stride(-1) != 1 or not enabled():
         return None
-    return _library()
+    return _library(logits.dtype)
 
 
 class _RowLogprobs(torch.autograd.Function):

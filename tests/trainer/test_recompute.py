@@ -6,9 +6,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from cgym.agents.local.kernels import available as kernels_available
+from cgym.agents.local.kv_cache import attention_on_pairs
 from cgym.agents.local.sampling import sequence_logprobs, shared_head
 from cgym.trainer.recompute import decoder_layers, recomputed_layers
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 
 def _batch(rows: int = 3, width: int = 60, shared: int = 20) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -70,3 +72,36 @@ def test_layers_are_restored_after_the_block(tiny_chat_model: Path) -> None:
     assert not any("forward" in vars(layer) for layer in decoder_layers(model))
     with recomputed_layers(torch.nn.Linear(2, 2)) as covered:
         assert covered == 0
+
+
+@pytest.mark.skipif(not kernels_available(), reason="no AVX-512 or no C compiler here: attention stays in fp32")
+def test_a_recomputed_layer_runs_the_attention_its_forward_ran(tiny_chat_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under `attention_on_pairs` (an fp32 pass on a CPU without native bf16) attention runs in
+    the C kernels on bf16 pairs; the backward pass's recomputation must run it so too, or it
+    recomputes another function than the forward ran and the gradients drift."""
+    from cgym.agents.local import kv_cache
+
+    config = AutoConfig.from_pretrained(tiny_chat_model)
+    config.update({"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64, "intermediate_size": 256})
+    calls = [0]
+    real = kv_cache.kernel_attention
+
+    def counted(*args: object) -> object:
+        calls[0] += 1
+        return real(*args)
+
+    monkeypatch.setattr(kv_cache, "kernel_attention", counted)
+    ids, attention, mask = _batch()
+    attention[1, :7] = 0  # a padded row: the pass takes a mask
+    results = []
+    for recompute in (False, True):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config)
+        calls[0] = 0
+        with attention_on_pairs(), recomputed_layers(model) if recompute else torch.enable_grad():
+            logp = sequence_logprobs(model, ids, attention, mask=mask)
+        (logp * mask).sum().backward()
+        results.append((calls[0], torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])))
+    (plain_calls, plain_grad), (calls_again, grad) = results
+    assert plain_calls == config.num_hidden_layers and calls_again == 2 * plain_calls
+    torch.testing.assert_close(grad, plain_grad, atol=1e-6, rtol=1e-5)

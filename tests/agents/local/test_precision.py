@@ -9,7 +9,7 @@ import torch
 from cgym.agents.base import Conversation
 from cgym.agents.local import kernels, precision
 from cgym.agents.local.hf import HFPolicy
-from cgym.agents.local.kv_cache import weights_version
+from cgym.agents.local.kv_cache import attention_pairs_on, weights_version
 from cgym.agents.local.precision import DTYPE_ENV, SamplingWeights, autocast, compute_dtype, cpu_has_bf16, native_bf16, sampling_dtype
 from cgym.agents.local.sampling import sequence_logprobs
 from cgym.agents.options import SamplingOptions
@@ -60,12 +60,15 @@ def test_a_llama_samples_in_bf16_where_the_kernels_run_without_native_bf16(tiny_
     assert compute_dtype() == torch.float32 and sampling_dtype(model) == torch.bfloat16
     weights = SamplingWeights(model)
     assert weights.separate and next(weights.get().parameters()).dtype == torch.bfloat16
-    assert type(autocast(model)).__name__ == "nullcontext"
+    with autocast(model):  # training: fp32, attention on bf16 pairs where the kernels run
+        assert not torch.is_autocast_enabled("cpu") and attention_pairs_on() == kernels.available()
     monkeypatch.setattr(precision, "samples_lean", lambda model: False)
     assert sampling_dtype(model) == torch.float32 and SamplingWeights(model).get() is model
     monkeypatch.setattr(precision, "samples_lean", lambda model: True)
     monkeypatch.setenv(DTYPE_ENV, "float32")
     assert sampling_dtype(model) == torch.float32
+    with autocast(model):
+        assert not attention_pairs_on()
 
 
 def test_fp32_fallback_uses_the_model_itself(tiny_chat_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
