@@ -24,9 +24,11 @@ ENV_ID = "cgym/ApiReport-v0"
 WEAK_SFT = 0.05
 WEAK_SFT_HINT = "the SFT'd model solved almost no test task, so GRPO had little to sharpen; try a larger --sft-demos or another --seed"
 # Seconds on 2 quiet cores (SmolLM2, ApiReport easy), for the printed estimate only: (SFT demo,
-# GRPO step of 2 x 8, 100-episode eval) in fp32, and where the CPU computes in bf16 (2e1fed0,
-# `quickstart_seed1_continuous_s16.json`: SFT 77 s for 64 demos, GRPO 44 s for 4 steps, compare 87 s).
-SECONDS_PER = {"float32": (2.2, 75.0, 60.0), "bfloat16": (1.2, 11.0, 29.0)}
+# GRPO step of 2 x 8, 100-episode eval) in fp32, where the CPU computes in bf16 (2e1fed0,
+# `quickstart_seed1_continuous_s16.json`: SFT 77 s for 64 demos, GRPO 44 s for 4 steps, compare
+# 87 s), and in fp32 with the kernels' bf16 sampling (an Ice Lake, `quickstart_seed0_icelake_s19.json`:
+# SFT 92 s, GRPO 77 s, compare 144 s).
+SECONDS_PER = {"float32": (2.2, 75.0, 60.0), "bfloat16": (1.2, 11.0, 29.0), "float32 with kernels": (1.45, 19.0, 48.0)}
 
 
 @dataclass(frozen=True)
@@ -67,9 +69,9 @@ class QuickstartPlan:
     @property
     def expected_seconds(self) -> float:
         """About how long the run takes on 2 quiet cores (3 evaluations)."""
-        from cgym.agents.local.precision import compute_dtype
+        from cgym.agents.local.precision import compute_dtype, kernels_in_fp32
 
-        demo, step, evaluation = SECONDS_PER[str(compute_dtype()).removeprefix("torch.")]
+        demo, step, evaluation = SECONDS_PER["float32 with kernels" if kernels_in_fp32() else str(compute_dtype()).removeprefix("torch.")]
         return self.sft_demos * self.sft_epochs * demo + self.train_steps * step + 3 * evaluation * self.eval_episodes / 100
 
 

@@ -73,9 +73,15 @@ def sampling_dtype(model: torch.nn.Module) -> torch.dtype:
     param = next(model.parameters(), None)
     device = param.device if param is not None else torch.device("cpu")
     dtype = compute_dtype(device)
-    if dtype == torch.float32 and _forced() is None and device.type == "cpu" and samples_lean(model):
+    if device.type == "cpu" and kernels_in_fp32() and samples_lean(model):
         return torch.bfloat16
     return dtype
+
+
+def kernels_in_fp32() -> bool:
+    """Whether this CPU computes in fp32 and still runs the kernels: no native bf16, AVX-512,
+    `CGYM_DTYPE` unset. There a Llama or Qwen2 samples in bf16 and attention trains on bf16 pairs."""
+    return compute_dtype() == torch.float32 and _forced() is None and kernels_available()
 
 
 def autocast(model: torch.nn.Module) -> AbstractContextManager[object]:
@@ -88,7 +94,7 @@ def autocast(model: torch.nn.Module) -> AbstractContextManager[object]:
     if next(model.parameters()).dtype != torch.float32:
         return nullcontext()
     if dtype == torch.float32:
-        return attention_on_pairs() if device.type == "cpu" and _forced() is None and kernels_available() else nullcontext()
+        return attention_on_pairs() if device.type == "cpu" and kernels_in_fp32() else nullcontext()
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
