@@ -52,7 +52,17 @@ from cgym.trainer.losses import policy_loss, rft_weights, turn_advantages, unifi
 from cgym.trainer.metrics import HackingMonitor, MetricsLog, Outcome, env_metrics, peak_rss_gb, plot_curve, rollout_metrics
 from cgym.trainer.recompute import recomputed_past_budget
 from cgym.trainer.refine import rebase, sample_subset, select_refinements, should_refine
-from cgym.trainer.rollout import Batch, Trajectory, group_micro_batches, pack, rows_with_signal, slice_batch, spread_over_tokens, tree_micro_batches
+from cgym.trainer.rollout import (
+    Batch,
+    Trajectory,
+    group_micro_batches,
+    pack,
+    rows_with_signal,
+    slice_batch,
+    spread_over_tokens,
+    tree_budget,
+    tree_micro_batches,
+)
 from cgym.trainer.run_folder import CONFIG_FILE, check_out, check_same_run, clear_run
 from cgym.trainer.samplers.served import PushedSampler, ServedPolicy
 from rich.console import Console
@@ -461,7 +471,7 @@ def _update(state: TrainState, trajs: list[Trajectory], advantages: torch.Tensor
     moving = slice_batch(batch, learning) if batch is not None and learning else None
     tree = takes_trees(state.model)  # each micro-batch's rows merged into one prefix tree, each shared id run once
     ids, groups = [trajs[row].ids for row in learning], [trajs[row].group for row in learning]
-    chunks = tree_micro_batches(ids, groups) if tree else group_micro_batches(ids, groups, cfg.micro_batch_size)  # a group's rows together; sized by tokens, like SFT's
+    chunks = tree_micro_batches(ids, groups, tree_budget(state.model)) if tree else group_micro_batches(ids, groups, cfg.micro_batch_size)  # a group's rows together; sized by tokens, like SFT's
     logprobs = tree_logprobs if tree else sequence_logprobs
     with frozen_weights_cast(state.model):  # frozen LoRA base weights cast once per update, not per call
         for iteration in range(cfg.num_iterations):

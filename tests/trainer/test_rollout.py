@@ -90,3 +90,17 @@ def test_rows_with_signal_are_those_with_a_nonzero_advantage_on_a_sampled_token(
     per_token = pack(trajs, torch.zeros(4), pad_id=0, token_advantages=[[0.7, 0, 0, 0, 0, 0], [0, 0, 0, 0.7], None, None])
     assert rows_with_signal(per_token) == [1]
     assert rows_with_signal(pack(trajs, torch.zeros(4), pad_id=0)) == []
+
+
+def test_the_tree_budget_holds_the_same_bytes_of_fp32_activations(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp32 activations are twice bf16's bytes: an fp32 loss pass (a CPU without native bf16)
+    takes half the prefix-tree nodes a micro-batch, a bf16 one (autocast or a bf16 model) all."""
+    from cgym.agents.local.precision import DTYPE_ENV
+    from cgym.trainer.rollout import TOKEN_BUDGET, tree_budget
+
+    model = torch.nn.Linear(4, 4)
+    monkeypatch.setenv(DTYPE_ENV, "float32")
+    assert tree_budget(model) == TOKEN_BUDGET // 2
+    assert tree_budget(model.to(torch.bfloat16)) == TOKEN_BUDGET
+    monkeypatch.setenv(DTYPE_ENV, "bfloat16")
+    assert tree_budget(torch.nn.Linear(4, 4)) == TOKEN_BUDGET
