@@ -27,8 +27,7 @@ import torch
 from cgym.agents.local.decode_attention import MAX_QUERIES
 from cgym.agents.local.kernels import C_HEADER, compiled, enabled
 from cgym.agents.local.layer_step import decode_step, stack_step
-from cgym.agents.local.packed import FusedLinear, pack_linears, packable
-from cgym.agents.local.packed import _library as pair_kernel
+from cgym.agents.local.packed import FusedLinear, pack_linears, packable, pairs_run
 from torch import Tensor, nn
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_outputs import BaseModelOutputWithPast
@@ -62,7 +61,7 @@ def samples_lean(model: nn.Module) -> bool:
     or Qwen2, on a CPU the kernels build for). Checked on the family, not the layers, so that a
     LoRA-wrapped model answers as its folded copy will."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
-    return model_type in MODEL_TYPES and _library() is not None and pair_kernel() is not None
+    return model_type in MODEL_TYPES and _library() is not None and pairs_run()
 
 
 def fits(layer: nn.Module) -> bool:
@@ -145,9 +144,7 @@ def lean_model_forward(
         if out is not None:
             return BaseModelOutputWithPast(last_hidden_state=self.norm(out), cache=cache)
         input_ids, inputs_embeds = None, hidden  # embedded already: the parent takes it from here
-    return parent(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs
-    )
+    return parent(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
 
 
 def lean_forward(

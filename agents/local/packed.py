@@ -103,8 +103,13 @@ def _pairs(weight: Tensor) -> Tensor:
     return out
 
 
+def pairs_run() -> bool:
+    """Whether `pair_linear` runs here (the kernels are on and build for this CPU)."""
+    return enabled() and _library() is not None
+
+
 def _takes_pairs(weight: Tensor) -> bool:
-    return weight.dtype == torch.bfloat16 and weight.shape[0] % 16 == 0 and weight.shape[1] % 2 == 0 and enabled() and _library() is not None
+    return weight.dtype == torch.bfloat16 and weight.shape[0] % 16 == 0 and weight.shape[1] % 2 == 0 and pairs_run()
 
 
 class PackedLinear(nn.Module):
