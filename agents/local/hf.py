@@ -125,10 +125,12 @@ class HFPolicy:
         if torch.device(device).type == "cpu":
             keep_freed_memory()
         model, tokenizer = load_pretrained(name_or_path, dtype=dtype or compute_dtype(device))
-        if inference_only and dtype is None and sampling_dtype(model) != model.dtype:
-            model.to(sampling_dtype(model))  # bf16 for the kernels on a CPU without native bf16
-        if inference_only and model.dtype == sampling_dtype(model):
-            sampling_model(model.requires_grad_(False))
+        if inference_only:
+            sampler = sampling_dtype(model)
+            if dtype is None and model.dtype != sampler:
+                model.to(sampler)  # bf16 for the kernels on a CPU without native bf16
+            if model.dtype == sampler:
+                sampling_model(model.requires_grad_(False))
         return cls(model, tokenizer, device=device, name=f"hf:{name_or_path}", **kw)
 
     def reseed(self, seed: int) -> None:
