@@ -16,6 +16,12 @@ body layers, ad hoc `few_rows_kernel.py`: 7.7 against 10.1 ms for 5 rows, 15.6 a
 few-row kernel runs them, so a step of a few rows gives the same bits; past ~16 rows oneDNN
 blocks its sums otherwise, and outputs may differ in the last bf16 bit.
 
+On a CPU without AVX512-BF16 each pair's two products are two FMAs on widened operands, and
+from 48 rows on a group's weights are widened once into an fp32 panel that every row tile reads
+(`pair_wide`): the same sums in the same order, so the same bits, 1.08-1.17 times as fast on
+SmolLM2's layers at 48-2,000 rows on the 2-core Ice Lake (alternated, ad hoc `wide_ab.py`;
+~195 against ~170 GFLOP/s, where PyTorch's fp32 products ran at ~215).
+
 Only for inference (the packed ops have no backward) and only where `packable` says the CPU and
 the dtype take it; `tests/agents/local/test_packed.py` holds the results to `F.linear`'s.
 """
@@ -42,7 +48,7 @@ _SOURCE = (
 
 /* y (M x N, bf16) = x (M x K, bf16) w^T (+ bias, fp32, or NULL); w packed as N / 16 blocks of
    K / 2 x 16 u32, each one output's pair of inputs (k even | k odd << 16) */
-void pair_linear(const uint16_t *x, const uint32_t *w, const float *bias, uint16_t *y, long M, long K, long N, int threads) {
+static void pair_dot(const uint16_t *x, const uint32_t *w, const float *bias, uint16_t *y, long M, long K, long N, int threads) {
     long blocks = N / 16, groups = (blocks + CB - 1) / CB, pairs = K / 2;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (long g = 0; g < groups; g++) {
@@ -78,6 +84,103 @@ void pair_linear(const uint16_t *x, const uint32_t *w, const float *bias, uint16
         }
     }
 }
+
+#ifdef __AVX512BF16__
+void pair_linear(const uint16_t *x, const uint32_t *w, const float *bias, uint16_t *y, long M, long K, long N, int threads) {
+    pair_dot(x, w, bias, y, M, K, N, threads);
+}
+#else
+/* Without the instruction, each pair's two products are two FMAs on widened operands. Where a
+   group's weights serve many rows, they are widened once into a panel (per pair, the odd inputs'
+   sixteen weights of each block, then the even inputs'), the rows once into fp32, and the tiles
+   run FMAs alone: the same products added in the same order, so the same bits as `pair_dot`. */
+#define WR 6 /* rows a tile: 24 accumulators, 4 weight vectors, a broadcast row value */
+#define WIDE_ROWS 48 /* fewer: the pair loop was as fast or faster (ad hoc `wide_ab.py`) */
+
+static inline __attribute__((always_inline)) void wide_tile(const float *xw, long K, const float *panel, long pairs, int R, int C,
+                                                            __m512 acc[WR][CB]) {
+    for (long i = 0; i < pairs; i++)
+        for (int half = 0; half < 2; half++) { /* the odd input first, as the instruction sums */
+            const float *p = panel + (2 * i + half) * CB * 16;
+            __m512 wv[CB];
+#pragma GCC unroll 4
+            for (int c = 0; c < C; c++) wv[c] = _mm512_load_ps(p + c * 16);
+#pragma GCC unroll 6
+            for (int r = 0; r < R; r++) {
+                __m512 xv = _mm512_set1_ps(xw[r * K + 2 * i + 1 - half]);
+#pragma GCC unroll 4
+                for (int c = 0; c < C; c++) acc[r][c] = _mm512_fmadd_ps(xv, wv[c], acc[r][c]);
+            }
+        }
+}
+
+static void pair_wide(const uint16_t *x, const uint32_t *w, const float *bias, uint16_t *y, long M, long K, long N, int threads) {
+    long blocks = N / 16, groups = (blocks + CB - 1) / CB, pairs = K / 2, tiles = (M + WR - 1) / WR;
+    long chunks = (16 * threads + groups - 1) / groups; /* row chunks a group: enough tasks to share evenly */
+    if (chunks > tiles) chunks = tiles;
+    long per = (tiles + chunks - 1) / chunks * WR; /* rows a chunk */
+    chunks = (M + per - 1) / per;
+    float *xw = aligned_alloc(64, sizeof(float) * (M * K + 16));
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (long r = 0; r < M; r++)
+            for (long k = 0; k < K; k += 16) _mm512_mask_storeu_ps(xw + r * K + k, lanes(K - k), load_bf16(x + r * K + k, lanes(K - k)));
+        float *panel = aligned_alloc(64, sizeof(float) * pairs * 2 * CB * 16);
+        long held = -1; /* the group whose weights the panel holds */
+#pragma omp for collapse(2) schedule(static)
+        for (long g = 0; g < groups; g++)
+            for (long t = 0; t < chunks; t++) {
+                long b0 = g * CB, cb = blocks - b0 < CB ? blocks - b0 : CB;
+                if (held != g) {
+                    const uint32_t *wg = w + b0 * pairs * 16;
+                    for (long i = 0; i < pairs; i++)
+                        for (int c = 0; c < cb; c++) {
+                            __m512i v = _mm512_load_si512(wg + (c * pairs + i) * 16);
+                            _mm512_store_ps(panel + (2 * i) * CB * 16 + c * 16, bf16_hi(v));
+                            _mm512_store_ps(panel + (2 * i + 1) * CB * 16 + c * 16, bf16_lo(v));
+                        }
+                    held = g;
+                }
+                long end = (t + 1) * per < M ? (t + 1) * per : M;
+                for (long r0 = t * per; r0 < end; r0 += WR) {
+                    int rows = end - r0 < WR ? (int)(end - r0) : WR;
+                    __m512 acc[WR][CB];
+                    for (int r = 0; r < WR; r++)
+                        for (int c = 0; c < CB; c++) acc[r][c] = _mm512_setzero_ps();
+                    const float *xr = xw + r0 * K;
+                    if (cb < CB) wide_tile(xr, K, panel, pairs, rows, (int)cb, acc);
+                    else switch (rows) { /* each a tile of constant shape */
+                        case 6: wide_tile(xr, K, panel, pairs, 6, CB, acc); break;
+                        case 5: wide_tile(xr, K, panel, pairs, 5, CB, acc); break;
+                        case 4: wide_tile(xr, K, panel, pairs, 4, CB, acc); break;
+                        case 3: wide_tile(xr, K, panel, pairs, 3, CB, acc); break;
+                        case 2: wide_tile(xr, K, panel, pairs, 2, CB, acc); break;
+                        default: wide_tile(xr, K, panel, pairs, 1, CB, acc);
+                    }
+                    for (int r = 0; r < rows; r++)
+                        for (int c = 0; c < cb; c++) {
+                            __m512 out = bias ? _mm512_add_ps(acc[r][c], _mm512_loadu_ps(bias + (b0 + c) * 16)) : acc[r][c];
+                            _mm256_storeu_si256((__m256i *)(y + (r0 + r) * N + (b0 + c) * 16), (__m256i)_mm512_cvtneps_pbh(out));
+                        }
+                }
+            }
+        free(panel);
+    }
+    free(xw);
+}
+
+void pair_linear(const uint16_t *x, const uint32_t *w, const float *bias, uint16_t *y, long M, long K, long N, int threads) {
+    if (M >= WIDE_ROWS) pair_wide(x, w, bias, y, M, K, N, threads);
+    else pair_dot(x, w, bias, y, M, K, N, threads);
+}
+void pair_linear_dot(const uint16_t *x, const uint32_t *w, const float *bias, uint16_t *y, long M, long K, long N, int threads) {
+    pair_dot(x, w, bias, y, M, K, N, threads);
+}
+void pair_linear_wide(const uint16_t *x, const uint32_t *w, const float *bias, uint16_t *y, long M, long K, long N, int threads) {
+    pair_wide(x, w, bias, y, M, K, N, threads);
+}
+#endif
 """
 )
 
@@ -87,8 +190,10 @@ def _library() -> ctypes.CDLL | None:
     lib = compiled(_SOURCE, "pair_linear")
     if lib is None:
         return None
-    lib.pair_linear.restype = None
-    lib.pair_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
+    for name in ("pair_linear", "pair_linear_dot", "pair_linear_wide"):  # the last two: each path alone, without AVX512-BF16
+        if hasattr(lib, name):
+            getattr(lib, name).restype = None
+            getattr(lib, name).argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
     return lib
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -86,6 +87,12 @@ def _kernels_run() -> bool:
     return _library() is not None
 
 
+def _kernel() -> Any:
+    from cgym.agents.local.packed import _library
+
+    return _library()
+
+
 @requires_packing
 @pytest.mark.skipif(not _kernels_run(), reason="this project's C kernels do not run here")
 @pytest.mark.parametrize("rows", [1, 5, 7, 333])
@@ -104,6 +111,31 @@ def test_the_pair_kernel_rounds_the_exact_sum_once(rows: int, bias: bool) -> Non
         out = layer(x).double()
     assert bool(((out - exact).abs() <= exact.abs() * 2**-8 + 1e-5).all())  # half a bf16 step, and fp32's
     assert layer(x[:, None]).shape == (rows, 1, 80)
+
+
+@requires_packing
+@pytest.mark.skipif(not _kernels_run() or not hasattr(_kernel(), "pair_linear_wide"), reason="no emulated bf16 pair kernel here (native AVX512-BF16, or none)")
+@pytest.mark.parametrize("rows", [6, 47, 48, 53, 200])
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_widened_pair_kernel_gives_the_same_bits_as_the_pair_products(rows: int, bias: bool) -> None:
+    """Without AVX512-BF16, many rows take weights widened once into a panel: the same products
+    summed in the same order as the pair-at-a-time loop, so the same bits, on every tile shape
+    (rows not a multiple of 6, a last group of one block, inputs not a multiple of 16)."""
+    lib = _kernel()
+    torch.manual_seed(rows)
+    linear = nn.Linear(250, 80, bias=bias).to(torch.bfloat16)  # 125 pairs; 5 blocks: a group of 4, and 1
+    layer = PackedLinear(linear.weight, linear.bias)
+    x = torch.randn(rows, 250).to(torch.bfloat16)
+    outs = {}
+    for name in ("pair_linear_dot", "pair_linear_wide", "pair_linear"):
+        out = torch.full((rows, 80), float("nan"), dtype=torch.bfloat16)
+        bias_at = layer.wide_bias.data_ptr() if bias else None
+        getattr(lib, name)(x.data_ptr(), layer.packed.data_ptr(), bias_at, out.data_ptr(), rows, 250, 80, 2)
+        outs[name] = out.view(torch.int16)
+    assert torch.equal(outs["pair_linear_wide"], outs["pair_linear_dot"])
+    assert torch.equal(outs["pair_linear"], outs["pair_linear_dot"])
+    exact = x.double() @ linear.weight.double().t() + (linear.bias.double() if bias else 0)
+    assert bool(((outs["pair_linear"].view(torch.bfloat16).double() - exact).abs() <= exact.abs() * 2**-8 + 1e-5).all())
 
 
 @requires_packing
