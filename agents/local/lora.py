@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import copy
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +44,54 @@ def lora_config(rank: int) -> Any:
     from peft import LoraConfig
 
     return LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear", task_type="CAUSAL_LM")
+
+
+@contextmanager
+def lean_adapters(model: torch.nn.Module) -> Iterator[int]:
+    """Within the block, `model`'s plain LoRA layers add their adapter's output as one product,
+    `base(x) + s (A x) B^T` in a single `addmm`, where peft writes three full-size tensors (the
+    adapter's output, its scaling, the sum) and its backward a fourth (the scaled gradient); the
+    scale then falls on rank-wide tensors only. Yields how many layers that covers.
+
+    In fp32 outside autocast only; anywhere else (bf16 autocast, dropout, several adapters, DoRA,
+    disabled or merged adapters) a layer runs peft's forward. Where the scale alpha / r is a power
+    of two (`with_lora`'s 2) nothing rounds differently: the outputs and gradients are peft's bit
+    for bit (`tests/agents/local/test_lora.py`). Per-call sizes on SmolLM2's update on the Ice
+    Lake: see `benchmarks/RESULTS.md`."""
+    from peft.tuners.lora.layer import Linear
+
+    layers = [module for module in model.modules() if type(module) is Linear]  # not peft's quantized or other layer kinds
+    for layer in layers:
+        layer.forward = partial(_adapted, layer)  # the instance's, over the class's
+    try:
+        yield len(layers)
+    finally:
+        for layer in layers:
+            del layer.forward
+
+
+def _adapted(layer: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """A peft LoRA `Linear`'s forward with its one adapter's sum in one `addmm` (`lean_adapters`)."""
+    names = [name for name in layer.active_adapters if name in layer.lora_A]
+    name = names[0] if len(names) == 1 else None
+    plain = (
+        name is not None
+        and not args
+        and not kwargs
+        and not layer.disable_adapters
+        and not layer.merged
+        and name not in layer.lora_variant
+        and isinstance(layer.lora_dropout[name], torch.nn.Identity)
+        and layer.lora_B[name].bias is None
+        and x.dtype == layer.lora_A[name].weight.dtype == layer.lora_B[name].weight.dtype == layer.get_base_layer().weight.dtype == torch.float32
+        and not torch.is_autocast_enabled(x.device.type)
+    )
+    if not plain:
+        return type(layer).forward(layer, x, *args, **kwargs)
+    result = layer.base_layer(x)
+    hidden = layer.lora_A[name](x)
+    summed = torch.addmm(result.reshape(-1, result.shape[-1]), hidden.reshape(-1, hidden.shape[-1]), layer.lora_B[name].weight.t(), alpha=layer.scaling[name])
+    return summed.view(result.shape)
 
 
 def has_adapters(model: torch.nn.Module) -> bool:

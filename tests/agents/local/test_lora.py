@@ -1,0 +1,92 @@
+"""LoRA layers whose adapter joins the base product in one `addmm` (`lean_adapters`): the same
+bits as peft's forward and gradients in fp32, and peft's own forward everywhere else."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from cgym.agents.local.precision import DTYPE_ENV, autocast
+from cgym.agents.local.sampling import sequence_logprobs
+from transformers import AutoModelForCausalLM
+
+pytest.importorskip("peft")
+
+from cgym.agents.local.lora import lean_adapters, with_lora  # noqa: E402  (after peft is known to be here)
+
+IDS = torch.tensor([[1, 5, 9, 13, 17, 21, 25, 29], [2, 6, 10, 14, 18, 22, 26, 30]])
+
+
+def _lora_model(tiny_chat_model: Path, alpha_over_r: float = 2.0) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = with_lora(AutoModelForCausalLM.from_pretrained(tiny_chat_model, dtype=torch.float32), 4)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.05)  # peft starts B at zero: adapters that act
+    for module in model.modules():
+        if hasattr(module, "lora_A"):
+            module.scaling = {name: alpha_over_r for name in module.scaling}
+    return model
+
+
+def _loss_and_grads(model: torch.nn.Module) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    with autocast(model):
+        loss = -sequence_logprobs(model, IDS, torch.ones_like(IDS)).sum()
+    loss.backward()
+    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.requires_grad}
+
+
+def _layer_graph(model: torch.nn.Module) -> set[str]:
+    """The autograd node names of one adapted layer's output, two steps back."""
+    layer = next(m for m in model.modules() if hasattr(m, "lora_A"))
+    out = layer(torch.randn(3, layer.in_features))
+    names, frontier = set(), [out.grad_fn]
+    for _ in range(2):
+        names |= {type(node).__name__ for node in frontier if node is not None}
+        frontier = [nxt for node in frontier if node is not None for nxt, _ in node.next_functions]
+    return names
+
+
+def test_adapters_summed_in_one_product_give_peft_bits_in_fp32(tiny_chat_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(DTYPE_ENV, "float32")
+    model = _lora_model(tiny_chat_model)
+    plain = _loss_and_grads(model)
+    assert "AddmmBackward0" not in _layer_graph(model)
+    with lean_adapters(model) as layers:
+        assert layers == 2 * 7  # two decoder layers' seven projections (the tied head has no adapter)
+        assert "AddmmBackward0" in _layer_graph(model)  # the adapter's sum is one product, not peft's three passes
+        lean = _loss_and_grads(model)
+    assert torch.equal(plain[0], lean[0])
+    assert plain[1].keys() == lean[1].keys() and all(torch.equal(plain[1][k], lean[1][k]) for k in plain[1])
+    assert not any("forward" in vars(m) for m in model.modules())  # peft's forward again after the block
+
+
+def test_another_scale_rounds_at_most_differently(tiny_chat_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """alpha / r not a power of two: one rounding fewer than peft's, so close, not bit for bit."""
+    monkeypatch.setenv(DTYPE_ENV, "float32")
+    model = _lora_model(tiny_chat_model, alpha_over_r=1 / 3)
+    plain = _loss_and_grads(model)
+    with lean_adapters(model):
+        lean = _loss_and_grads(model)
+    assert torch.allclose(plain[0], lean[0], rtol=1e-5, atol=1e-5)
+    assert all(torch.allclose(plain[1][k], lean[1][k], rtol=1e-4, atol=1e-6) for k in plain[1])
+
+
+def test_bf16_autocast_and_disabled_adapters_take_pefts_forward(tiny_chat_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _lora_model(tiny_chat_model)
+    layer = next(m for m in model.modules() if hasattr(m, "lora_A"))
+    x = torch.randn(3, layer.in_features)
+    with torch.no_grad(), lean_adapters(model):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert "AddmmBackward0" not in _layer_graph(model)
+            mixed = layer(x)
+        with model.disable_adapter():
+            bare = layer(x)
+    with torch.no_grad():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert torch.equal(mixed, layer(x))
+        assert torch.equal(bare, layer.get_base_layer()(x))
+        assert not torch.equal(bare, layer(x))  # the adapters act when enabled
