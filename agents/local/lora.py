@@ -56,8 +56,8 @@ def lean_adapters(model: torch.nn.Module) -> Iterator[int]:
     In fp32 outside autocast only; anywhere else (bf16 autocast, dropout, several adapters, DoRA,
     disabled or merged adapters) a layer runs peft's forward. Where the scale alpha / r is a power
     of two (`with_lora`'s 2) nothing rounds differently: the outputs and gradients are peft's bit
-    for bit (`tests/agents/local/test_lora.py`). Per-call sizes on SmolLM2's update on the Ice
-    Lake: see `benchmarks/RESULTS.md`."""
+    for bit (`tests/agents/local/test_lora.py`). Its effect on SmolLM2's update on the Ice Lake:
+    `benchmarks/RESULTS.md`."""
     from peft.tuners.lora.layer import Linear
 
     layers = [module for module in model.modules() if type(module) is Linear]  # not peft's quantized or other layer kinds

@@ -20,11 +20,12 @@ A last block of fewer than five rows runs as a tile of its own rows (it had run 
 its last): the same sums, and on SmolLM2's layers (2-core Ice Lake, weights in cache, ad hoc
 `small_m.py`) one row of a 576 -> 3072 layer took 59 against 173 us, six rows 139 against 207.
 
-On a CPU without AVX512-BF16 each pair's two products are two FMAs on widened operands, and
-from 48 rows on a group's weights are widened once into an fp32 panel that every row tile reads
-(`pair_wide`): the same sums in the same order, so the same bits, 1.08-1.17 times as fast on
-SmolLM2's layers at 48-2,000 rows on the 2-core Ice Lake (alternated, ad hoc `wide_ab.py`;
-~195 against ~170 GFLOP/s, where PyTorch's fp32 products ran at ~215).
+On a CPU without AVX512-BF16 each pair's two products are two FMAs on widened operands. From
+48 rows on, a group's weights are widened once into an fp32 panel that every row tile reads, and
+the rows into fp32, 1,024 at a time (`pair_wide`): the same sums in the same order, so the same
+bits, a median 1.09 times as fast on SmolLM2's layers at 48-2,000 rows on the 2-core Ice Lake
+(0.87-1.30; alternated, ad hoc `wide_ab.py`; ~195 against ~170 GFLOP/s, where PyTorch's fp32
+products ran at ~215).
 
 Only for inference (the packed ops have no backward) and only where `packable` says the CPU and
 the dtype take it; `tests/agents/local/test_packed.py` holds the results to `F.linear`'s.
@@ -187,9 +188,15 @@ static void pair_wide(const uint16_t *x, const uint32_t *w, const float *bias, u
     free(xw);
 }
 
+#define WIDE_SPAN 1024 /* rows widened at a time: a 512-id prefill of 100 rows would otherwise widen 51,200 */
+
 void pair_linear(const uint16_t *x, const uint32_t *w, const float *bias, uint16_t *y, long M, long K, long N, int threads) {
-    if (M >= WIDE_ROWS) pair_wide(x, w, bias, y, M, K, N, threads);
-    else pair_dot(x, w, bias, y, M, K, N, threads);
+    if (M < WIDE_ROWS) {
+        pair_dot(x, w, bias, y, M, K, N, threads);
+        return;
+    }
+    for (long r0 = 0; r0 < M; r0 += WIDE_SPAN)
+        pair_wide(x + r0 * K, w, bias, y + r0 * N, M - r0 < WIDE_SPAN ? M - r0 : WIDE_SPAN, K, N, threads);
 }
 void pair_linear_dot(const uint16_t *x, const uint32_t *w, const float *bias, uint16_t *y, long M, long K, long N, int threads) {
     pair_dot(x, w, bias, y, M, K, N, threads);

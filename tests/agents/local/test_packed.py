@@ -116,15 +116,15 @@ def test_the_pair_kernel_rounds_the_exact_sum_once(rows: int, bias: bool) -> Non
 @requires_packing
 @pytest.mark.skipif(not _kernels_run(), reason="this project's C kernels do not run here")
 def test_the_pair_kernel_gives_a_row_the_same_bits_in_any_batch() -> None:
-    """Tiles of five rows, a short last tile of its own rows, the widened panel from 48 rows:
-    a row's output does not depend on which rows share its call."""
+    """Tiles of five rows, a short last tile of its own rows, the widened panel from 48 rows
+    (1,024 at a time): a row's output does not depend on which rows share its call."""
     torch.manual_seed(3)
     linear = nn.Linear(250, 80).to(torch.bfloat16)
     layer = PackedLinear(linear.weight, linear.bias)
-    x = torch.randn(60, 250).to(torch.bfloat16)
+    x = torch.randn(1100, 250).to(torch.bfloat16)
     with torch.no_grad():
-        whole = layer(x).view(torch.int16)
-        for start, rows in [(0, 1), (3, 2), (7, 3), (11, 4), (0, 6), (20, 7), (2, 13), (1, 48), (5, 55)]:
+        whole = layer(x).view(torch.int16)  # widened 1,024 rows at a time, then 76
+        for start, rows in [(0, 1), (3, 2), (7, 3), (11, 4), (0, 6), (20, 7), (2, 13), (1, 48), (5, 55), (1000, 100)]:
             assert torch.equal(layer(x[start : start + rows]).view(torch.int16), whole[start : start + rows]), (start, rows)
 
 
