@@ -80,7 +80,8 @@ def _adapted(layer: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Te
         and not kwargs
         and not layer.disable_adapters
         and not layer.merged
-        and name not in layer.lora_variant
+        and name not in getattr(layer, "lora_variant", {})  # peft >= 0.16's DoRA and kin
+        and not getattr(layer, "use_dora", {}).get(name, False)  # and older peft's DoRA
         and isinstance(layer.lora_dropout[name], torch.nn.Identity)
         and layer.lora_B[name].bias is None
         and x.dtype == layer.lora_A[name].weight.dtype == layer.lora_B[name].weight.dtype == layer.get_base_layer().weight.dtype == torch.float32

@@ -90,3 +90,20 @@ def test_bf16_autocast_and_disabled_adapters_take_pefts_forward(tiny_chat_model:
             assert torch.equal(mixed, layer(x))
         assert torch.equal(bare, layer.get_base_layer()(x))
         assert not torch.equal(bare, layer(x))  # the adapters act when enabled
+
+
+def test_dora_layers_take_pefts_forward(tiny_chat_model: Path) -> None:
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_chat_model, dtype=torch.float32), LoraConfig(r=4, use_dora=True, target_modules="all-linear"))
+    layer = next(m for m in model.modules() if hasattr(m, "lora_A"))
+    with torch.no_grad():
+        layer.lora_B["default"].weight.normal_(0, 0.05)
+    x = torch.randn(3, layer.in_features)
+    with torch.no_grad():
+        plain = layer(x)
+        with lean_adapters(model):
+            assert torch.equal(layer(x), plain)
+    with lean_adapters(model):
+        assert "AddmmBackward0" not in _layer_graph(model)
