@@ -96,7 +96,9 @@ def test_dora_layers_take_pefts_forward(tiny_chat_model: Path) -> None:
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(0)
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_chat_model, dtype=torch.float32), LoraConfig(r=4, use_dora=True, target_modules="all-linear"))
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(tiny_chat_model, dtype=torch.float32), LoraConfig(r=4, use_dora=True, target_modules="all-linear")
+    )
     layer = next(m for m in model.modules() if hasattr(m, "lora_A"))
     with torch.no_grad():
         layer.lora_B["default"].weight.normal_(0, 0.05)
