@@ -133,12 +133,16 @@ static inline __attribute__((always_inline)) void wide_tile(const float *xw, lon
 }
 
 static void pair_wide(const uint16_t *x, const uint32_t *w, const float *bias, uint16_t *y, long M, long K, long N, int threads) {
+    float *xw = aligned_alloc(64, sizeof(float) * (M * K + 16));
+    if (!xw) { /* no room for the widened rows: the pair loop needs none */
+        pair_dot(x, w, bias, y, M, K, N, threads);
+        return;
+    }
     long blocks = N / 16, groups = (blocks + CB - 1) / CB, pairs = K / 2, tiles = (M + WR - 1) / WR;
     long chunks = (16 * threads + groups - 1) / groups; /* row chunks a group: enough tasks to share evenly */
     if (chunks > tiles) chunks = tiles;
     long per = (tiles + chunks - 1) / chunks * WR; /* rows a chunk */
     chunks = (M + per - 1) / per;
-    float *xw = aligned_alloc(64, sizeof(float) * (M * K + 16));
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp for schedule(static)
