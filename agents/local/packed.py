@@ -76,7 +76,7 @@ static void pair_dot(const uint16_t *x, const uint32_t *w, const float *bias, ui
         for (long r0 = 0; r0 < M; r0 += RB) {
             int rows = M - r0 < RB ? (int)(M - r0) : RB;
             const uint32_t *xr[RB];
-            for (int r = 0; r < RB; r++) xr[r] = (const uint32_t *)(x + (r0 + (r < rows ? r : rows - 1)) * K);
+            for (int r = 0; r < rows; r++) xr[r] = (const uint32_t *)(x + (r0 + r) * K); /* tiles read only their own rows */
             __m512 acc[RB][CB];
             for (int r = 0; r < RB; r++)
                 for (int c = 0; c < CB; c++) acc[r][c] = _mm512_setzero_ps();
