@@ -131,6 +131,7 @@ def tree_logprobs(
     tree = prefix_tree(rows)
     wanted = mask.nonzero().tolist()  # (row, column): column c's id predicts id c + 1
     nodes = torch.tensor([tree.paths[r][c - start] for r, c in wanted], dtype=torch.long)
+    kept, node_row = torch.unique(nodes, return_inverse=True)  # a node that several rows score is run through the head once
     rows_at, columns = (torch.tensor(axis, dtype=torch.long) for axis in zip(*wanted, strict=True)) if wanted else (torch.empty(0, dtype=torch.long),) * 2
     visible = tree.visible()
     if start:
@@ -143,9 +144,9 @@ def tree_logprobs(
         input_ids=torch.tensor(tree.ids, dtype=torch.long, device=input_ids.device)[None],
         attention_mask=visible.to(input_ids.device)[None, None],
         position_ids=(torch.tensor(tree.depth, dtype=torch.long) + start).to(input_ids.device)[None],
-        logits_to_keep=nodes.to(input_ids.device),
+        logits_to_keep=kept.to(input_ids.device),
         **kwargs,
     )
     targets = input_ids[rows_at, columns + 1]
-    values = target_logprobs(out.logits, targets[None], scale)[0]
+    values = target_logprobs(out.logits, targets[None], scale, rows=node_row[None].to(targets.device))[0]
     return values.new_zeros(batch, width - 1).index_put((rows_at.to(values.device), columns.to(values.device)), values)

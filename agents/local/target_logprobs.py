@@ -45,12 +45,12 @@ static inline uint16_t to_bf16(float f) { /* round to nearest even, as PyTorch c
     return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
-/* Row r of (K, V) logits x (rows xs apart): lse[r] = log sum_v exp(x[r, v] inv_t), and
-   picked[r] = x[r, target[r]] inv_t - lse[r]. */
-void row_logprobs(const logit *x, const int64_t *target, float *lse, float *picked,
-                  long K, long V, long xs, float inv_t, int threads) {
+/* Row u of (U, V) logits x (rows xs apart): lse[u] = log sum_v exp(x[u, v] inv_t); then pick k
+   scores row row_of[k]: picked[k] = x[row_of[k], target[k]] inv_t - lse[row_of[k]]. */
+void row_logprobs(const logit *x, const int64_t *row_of, const int64_t *target, float *lse, float *picked,
+                  long U, long K, long V, long xs, float inv_t, int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (long r = 0; r < K; r++) {
+    for (long r = 0; r < U; r++) {
         const logit *row = x + r * xs;
         const __m512 scale = _mm512_set1_ps(inv_t);
         __m512 top = _mm512_set1_ps(-INFINITY);
@@ -65,27 +65,35 @@ void row_logprobs(const logit *x, const int64_t *target, float *lse, float *pick
             sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(m, exp_neg(_mm512_fmsub_ps(LOAD(row + v, m), scale, high))));
         }
         lse[r] = peak + logf(_mm512_reduce_add_ps(sum));
-        picked[r] = VALUE(row[target[r]]) * inv_t - lse[r];
+    }
+    for (long k = 0; k < K; k++) {
+        long r = row_of[k];
+        picked[k] = VALUE(x[r * xs + target[k]]) * inv_t - lse[r];
     }
 }
 
-/* The gradient of picked with respect to x, times grad: out[r, v] = bf16(grad[r] inv_t
-   (onehot(target[r])[v] - exp(x[r, v] inv_t - lse[r]))), rows os apart. */
-void row_logprobs_backward(const logit *x, const int64_t *target, const float *lse, const float *grad,
-                           logit *out, long K, long V, long xs, long os, float inv_t, int threads) {
+/* The gradient of the picks with respect to x. Row u's picks, merged by target, are entries
+   first[u] .. first[u + 1] - 1 of (target, weight); total[u] is the sum of their weights:
+   out[u, v] = inv_t (sum of row u's weights on target v - total[u] exp(x[u, v] inv_t - lse[u])),
+   in the logits' dtype, rows os apart. */
+void row_logprobs_backward(const logit *x, const float *lse, const float *total, const int64_t *first,
+                           const int64_t *target, const float *weight, logit *out,
+                           long U, long V, long xs, long os, float inv_t, int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (long r = 0; r < K; r++) {
+    for (long r = 0; r < U; r++) {
         const logit *row = x + r * xs;
         logit *dst = out + r * os;
-        const __m512 scale = _mm512_set1_ps(inv_t), low = _mm512_set1_ps(lse[r]), weight = _mm512_set1_ps(-grad[r] * inv_t);
+        const __m512 scale = _mm512_set1_ps(inv_t), low = _mm512_set1_ps(lse[r]), each = _mm512_set1_ps(-total[r] * inv_t);
         for (long v = 0; v < V; v += 16) {
             __mmask16 m = lanes(V - v);
-            __m512 w = _mm512_mul_ps(exp_neg(_mm512_fmsub_ps(LOAD(row + v, m), scale, low)), weight);
+            __m512 w = _mm512_mul_ps(exp_neg(_mm512_fmsub_ps(LOAD(row + v, m), scale, low)), each);
             STORE(dst + v, m, w);
         }
-        long t = target[r];
-        float p = expf(VALUE(row[t]) * inv_t - lse[r]);
-        dst[t] = NARROW(-p * grad[r] * inv_t + grad[r] * inv_t);
+        for (long e = first[r]; e < first[r + 1]; e++) {
+            long t = target[e];
+            float p = expf(VALUE(row[t]) * inv_t - lse[r]);
+            dst[t] = NARROW(-p * total[r] * inv_t + weight[e] * inv_t);
+        }
     }
 }
 """
@@ -99,8 +107,8 @@ def _library(dtype: torch.dtype = torch.bfloat16) -> ctypes.CDLL | None:
     if lib is None:
         return None
     lib.row_logprobs.restype = lib.row_logprobs_backward.restype = None
-    lib.row_logprobs.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_float, ctypes.c_int]
-    lib.row_logprobs_backward.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 4 + [ctypes.c_float, ctypes.c_int]
+    lib.row_logprobs.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 4 + [ctypes.c_float, ctypes.c_int]
+    lib.row_logprobs_backward.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_long] * 4 + [ctypes.c_float, ctypes.c_int]
     return lib
 
 
@@ -111,40 +119,64 @@ def _kernel_for(logits: Tensor) -> ctypes.CDLL | None:
     return _library(logits.dtype)
 
 
+class _Picks:
+    """Which logit row each pick scores, and the picks merged by (row, target): the backward
+    pass sums a row's weights in a fixed order (`index_add_` runs serially on the CPU), so
+    picks that share a row give the same gradient bits on any number of threads."""
+
+    def __init__(self, row_of: Tensor, targets: Tensor, rows: int, width: int) -> None:
+        self.row_of, self.rows = row_of, rows
+        pairs, self.pair_of = torch.unique(row_of * width + targets, return_inverse=True)  # sorted: grouped by row
+        self.pair_rows, self.pair_targets = pairs // width, pairs % width
+        counts = torch.bincount(self.pair_rows, minlength=rows)
+        self.first = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+
+    def sums(self, grad: Tensor) -> tuple[Tensor, Tensor]:
+        """(per-row total, per-pair weight) of the picks' gradient."""
+        total = grad.new_zeros(self.rows).index_add_(0, self.row_of, grad)
+        return total, grad.new_zeros(len(self.pair_rows)).index_add_(0, self.pair_of, grad)
+
+
 class _RowLogprobs(torch.autograd.Function):
-    """(K, V) logits, (K,) targets, temperature -> (K,) log-probs in fp32."""
+    """(U, V) logits, (K,) targets, (K,) logit row of each target, temperature -> (K,) log-probs in fp32."""
 
     @staticmethod
-    def forward(ctx: Any, logits: Tensor, targets: Tensor, temperature: float) -> Tensor:
+    def forward(ctx: Any, logits: Tensor, targets: Tensor, row_of: Tensor, temperature: float) -> Tensor:
         ctx.temperature = temperature
+        targets, row_of = targets.to(torch.int64).contiguous(), row_of.to(torch.int64).contiguous()
+        ctx.picks = _Picks(row_of, targets, *logits.shape)
         lib = _kernel_for(logits)
         if lib is not None:
-            targets = targets.to(torch.int64).contiguous()
             rows, width = logits.shape
-            lse, picked = torch.empty(rows), torch.empty(rows)
-            lib.row_logprobs(logits.data_ptr(), targets.data_ptr(), lse.data_ptr(), picked.data_ptr(), rows, width, logits.stride(0), 1.0 / temperature, torch.get_num_threads())
-            ctx.save_for_backward(logits, targets, lse)
+            lse, picked = torch.empty(rows), torch.empty(len(targets))
+            pointers = (logits.data_ptr(), row_of.data_ptr(), targets.data_ptr(), lse.data_ptr(), picked.data_ptr())
+            lib.row_logprobs(*pointers, rows, len(targets), width, logits.stride(0), 1.0 / temperature, torch.get_num_threads())
+            ctx.save_for_backward(logits, lse)
             return picked
         scaled = _scaled_fp32(logits, temperature)
         lse = torch.logsumexp(scaled, dim=-1)
-        ctx.save_for_backward(logits, targets, lse)
-        return scaled.gather(-1, targets[:, None]).squeeze(-1) - lse
+        ctx.save_for_backward(logits, lse)
+        return scaled[row_of, targets] - lse[row_of]
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
-        logits, targets, lse = ctx.saved_tensors
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        logits, lse = ctx.saved_tensors
+        picks: _Picks = ctx.picks
         inverse = 1.0 / ctx.temperature
+        total, weight = picks.sums(grad.float().contiguous())
         lib = _kernel_for(logits)
         if lib is not None:
-            grad = grad.float().contiguous()
             out = torch.empty_like(logits, memory_format=torch.contiguous_format)
             rows, width = logits.shape
-            lib.row_logprobs_backward(logits.data_ptr(), targets.data_ptr(), lse.data_ptr(), grad.data_ptr(), out.data_ptr(), rows, width, logits.stride(0), out.stride(0), inverse, torch.get_num_threads())
-            return out, None, None
+            lib.row_logprobs_backward(
+                logits.data_ptr(), lse.data_ptr(), total.data_ptr(), picks.first.data_ptr(), picks.pair_targets.data_ptr(), weight.data_ptr(), out.data_ptr(),
+                rows, width, logits.stride(0), out.stride(0), inverse, torch.get_num_threads(),
+            )  # fmt: skip
+            return out, None, None, None
         out = _scaled_fp32(logits, ctx.temperature)
-        out.sub_(lse[:, None]).exp_().mul_(grad[:, None] * -inverse)  # -softmax * grad / T
-        out.scatter_add_(-1, targets[:, None], grad[:, None] * inverse)  # + onehot * grad / T
-        return out.to(logits.dtype), None, None
+        out.sub_(lse[:, None]).exp_().mul_(total[:, None] * -inverse)  # -softmax * grad / T
+        out.index_put_((picks.pair_rows, picks.pair_targets), weight * inverse, accumulate=True)  # + onehot * grad / T; each (row, target) once
+        return out.to(logits.dtype), None, None, None
 
 
 def _scaled_fp32(logits: Tensor, temperature: float) -> Tensor:
@@ -153,14 +185,23 @@ def _scaled_fp32(logits: Tensor, temperature: float) -> Tensor:
     return out.mul_(1.0 / temperature) if temperature != 1.0 else out
 
 
-def target_logprobs(logits: Tensor, targets: Tensor, temperature: float = 1.0) -> Tensor:
+def target_logprobs(logits: Tensor, targets: Tensor, temperature: float = 1.0, *, rows: Tensor | None = None) -> Tensor:
     """(B, K, V) logits and (B, K) target ids -> (B, K) fp32 log-probs of the targets under
     `log_softmax(logits / temperature)`. Differentiable; one row's fp32 copy of the logits exists
     at a time, in the forward and in the backward pass.
+
+    With `rows` (B, K), target k is scored against logit row `rows[b, k]` of (B, U, V) logits:
+    a prefix tree's node that several picks share is run through the head once, and its
+    gradient gathered from theirs in a fixed order (an indexed copy's backward pass adds
+    repeated rows with atomic adds whose order, on two threads, differs from run to run).
 
     The rows come from `unbind`, whose backward stacks the rows' gradients into one new tensor;
     indexing `logits[b]` would give each row's gradient as a zero-filled (B, K, V) tensor, summed
     across rows (a 3-row chunk of 306 kept columns, forward and backward: 105-166 ms against 138-348 ms,
     bit-identical)."""
-    rows = zip(logits.unbind(0), targets.unbind(0))
-    return torch.stack([_RowLogprobs.apply(row, target, temperature) for row, target in rows])
+    if rows is None:
+        rows = torch.arange(targets.shape[1], device=targets.device).expand_as(targets)
+    if rows.shape != targets.shape or (rows.numel() and not (0 <= int(rows.min()) and int(rows.max()) < logits.shape[1])):
+        raise ValueError(f"rows {tuple(rows.shape)} must match targets {tuple(targets.shape)} and index the logits' {logits.shape[1]} rows")
+    batch = zip(logits.unbind(0), targets.unbind(0), rows.unbind(0))
+    return torch.stack([_RowLogprobs.apply(row, target, row_of, temperature) for row, target, row_of in batch])

@@ -95,7 +95,7 @@ def test_tree_pass_gives_the_padded_log_probs_and_gradients(tiny_dir: Path, use_
     torch.testing.assert_close(tree_grad, plain_grad, atol=1e-5, rtol=1e-4)
 
 
-def test_tree_pass_runs_each_shared_id_once_and_the_lm_head_on_the_targets_only(tiny_dir: Path) -> None:
+def test_tree_pass_runs_each_shared_id_once_and_the_lm_head_on_each_scored_node_once(tiny_dir: Path) -> None:
     net = AutoModelForCausalLM.from_pretrained(tiny_dir).eval()
     ids, attention, mask = tree_batch()
     head = shared_head(net, ids[0, :20])
@@ -108,7 +108,10 @@ def test_tree_pass_runs_each_shared_id_once_and_the_lm_head_on_the_targets_only(
         for hook in hooks:
             hook.remove()
     rows = [ids[r, 20 : int(attention[r].sum())].tolist() for r in range(ids.shape[0])]
-    assert seen == [(1, tree_size(rows)), (1, int(mask.sum()), 64)]
+    paths = prefix_tree(rows).paths
+    scored = {paths[r][c - 20] for r, c in mask.nonzero().tolist()}
+    assert len(scored) < int(mask.sum())  # the duplicate row's targets, and the pairs' shared column, sit on nodes other rows score
+    assert seen == [(1, tree_size(rows)), (1, len(scored), 64)]
     assert tree_size(rows) == sum(len(r) for r in rows) - len(rows[0]) - 12 - 5  # the duplicate, and each pair's shared ids, once
 
 
