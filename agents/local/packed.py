@@ -68,12 +68,14 @@ static inline __attribute__((always_inline)) void dot_tile(const uint32_t *const
 /* y (M x N, bf16) = x (M x K, bf16) w^T (+ bias, fp32, or NULL); w packed as N / 16 blocks of
    K / 2 x 16 u32, each one output's pair of inputs (k even | k odd << 16) */
 static void pair_dot(const uint16_t *x, const uint32_t *w, const float *bias, uint16_t *y, long M, long K, long N, int threads) {
-    long blocks = N / 16, groups = (blocks + CB - 1) / CB, pairs = K / 2;
-#pragma omp parallel for num_threads(threads) schedule(static)
+    long blocks = N / 16, groups = (blocks + CB - 1) / CB, pairs = K / 2, tiles = (M + RB - 1) / RB;
+    /* shared out by (group, row tile): SmolLM2's 576 outputs are 9 groups, which two threads
+       split 5 to 4 by group alone; a tile's sums are the same on either thread */
+#pragma omp parallel for collapse(2) num_threads(threads) schedule(static)
     for (long g = 0; g < groups; g++) {
-        long b0 = g * CB, cb = blocks - b0 < CB ? blocks - b0 : CB;
-        const uint32_t *wg = w + b0 * pairs * 16;
-        for (long r0 = 0; r0 < M; r0 += RB) {
+        for (long t = 0; t < tiles; t++) {
+            long b0 = g * CB, cb = blocks - b0 < CB ? blocks - b0 : CB, r0 = t * RB;
+            const uint32_t *wg = w + b0 * pairs * 16;
             int rows = M - r0 < RB ? (int)(M - r0) : RB;
             const uint32_t *xr[RB];
             for (int r = 0; r < rows; r++) xr[r] = (const uint32_t *)(x + (r0 + r) * K); /* tiles read only their own rows */
