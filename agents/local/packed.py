@@ -116,6 +116,7 @@ void pair_linear(const uint16_t *x, const uint32_t *w, const float *bias, uint16
    run FMAs alone: the same products added in the same order, so the same bits as `pair_dot`. */
 #define WR 6 /* rows a tile: 24 accumulators, 4 weight vectors, a broadcast row value */
 #define WIDE_ROWS 48 /* fewer: the pair loop was as fast or faster (ad hoc `wide_ab.py`) */
+#define FEW_ROWS 3 /* fewer: the pair loop, which widens nothing, was as fast or faster than `pair_rows` (ad hoc `rows_ab.py`) */
 
 static inline __attribute__((always_inline)) void wide_tile(const float *xw, long K, const float *panel, long pairs, int R, int C,
                                                             __m512 acc[WR][CB]) {
@@ -132,6 +133,66 @@ static inline __attribute__((always_inline)) void wide_tile(const float *xw, lon
                 for (int c = 0; c < C; c++) acc[r][c] = _mm512_fmadd_ps(xv, wv[c], acc[r][c]);
             }
         }
+}
+
+/* Fewer rows than WIDE_ROWS: the rows widened once into fp32 (M K values, cheap) and each
+   pair's weights widened in registers as the loop reaches them. A tile's FMAs then take their
+   row values from memory, and the only unpacking left is the weights' (8 operations to 40 FMAs;
+   the pair loop also splits each row's pair, 18 to 40): the same products in the same order. */
+static inline __attribute__((always_inline)) void row_tile(const float *xw, long K, const uint32_t *wg, long pairs, int R, int C,
+                                                           __m512 acc[RB][CB]) {
+    for (long i = 0; i < pairs; i++) {
+        __m512 odd[CB], even[CB];
+#pragma GCC unroll 4
+        for (int c = 0; c < C; c++) {
+            __m512i v = _mm512_load_si512(wg + (c * pairs + i) * 16);
+            odd[c] = bf16_hi(v);
+            even[c] = bf16_lo(v);
+        }
+#pragma GCC unroll 5
+        for (int r = 0; r < R; r++) {
+            __m512 xo = _mm512_set1_ps(xw[r * K + 2 * i + 1]), xe = _mm512_set1_ps(xw[r * K + 2 * i]);
+#pragma GCC unroll 4
+            for (int c = 0; c < C; c++) acc[r][c] = _mm512_fmadd_ps(xe, even[c], _mm512_fmadd_ps(xo, odd[c], acc[r][c]));
+        }
+    }
+}
+
+static void pair_rows(const uint16_t *x, const uint32_t *w, const float *bias, uint16_t *y, long M, long K, long N, int threads) {
+    float *xw = aligned_alloc(64, sizeof(float) * (M * K + 16));
+    if (!xw) {
+        pair_dot(x, w, bias, y, M, K, N, threads);
+        return;
+    }
+    for (long r = 0; r < M; r++)
+        for (long k = 0; k < K; k += 16) _mm512_mask_storeu_ps(xw + r * K + k, lanes(K - k), load_bf16(x + r * K + k, lanes(K - k)));
+    long blocks = N / 16, groups = (blocks + CB - 1) / CB, pairs = K / 2, tiles = (M + RB - 1) / RB;
+#pragma omp parallel for collapse(2) num_threads(threads) schedule(static)
+    for (long g = 0; g < groups; g++) {
+        for (long t = 0; t < tiles; t++) {
+            long b0 = g * CB, cb = blocks - b0 < CB ? blocks - b0 : CB, r0 = t * RB;
+            const uint32_t *wg = w + b0 * pairs * 16;
+            const float *xr = xw + r0 * K;
+            int rows = M - r0 < RB ? (int)(M - r0) : RB;
+            __m512 acc[RB][CB];
+            for (int r = 0; r < RB; r++)
+                for (int c = 0; c < CB; c++) acc[r][c] = _mm512_setzero_ps();
+            if (cb < CB) row_tile(xr, K, wg, pairs, rows, (int)cb, acc);
+            else switch (rows) { /* each a tile of constant shape */
+                case 5: row_tile(xr, K, wg, pairs, 5, CB, acc); break;
+                case 4: row_tile(xr, K, wg, pairs, 4, CB, acc); break;
+                case 3: row_tile(xr, K, wg, pairs, 3, CB, acc); break;
+                case 2: row_tile(xr, K, wg, pairs, 2, CB, acc); break;
+                default: row_tile(xr, K, wg, pairs, 1, CB, acc);
+            }
+            for (int r = 0; r < rows; r++)
+                for (int c = 0; c < cb; c++) {
+                    __m512 out = bias ? _mm512_add_ps(acc[r][c], _mm512_loadu_ps(bias + (b0 + c) * 16)) : acc[r][c];
+                    _mm256_storeu_si256((__m256i *)(y + (r0 + r) * N + (b0 + c) * 16), (__m256i)_mm512_cvtneps_pbh(out));
+                }
+        }
+    }
+    free(xw);
 }
 
 static void pair_wide(const uint16_t *x, const uint32_t *w, const float *bias, uint16_t *y, long M, long K, long N, int threads) {
@@ -198,7 +259,7 @@ static void pair_wide(const uint16_t *x, const uint32_t *w, const float *bias, u
 
 void pair_linear(const uint16_t *x, const uint32_t *w, const float *bias, uint16_t *y, long M, long K, long N, int threads) {
     if (M < WIDE_ROWS) {
-        pair_dot(x, w, bias, y, M, K, N, threads);
+        (M < FEW_ROWS ? pair_dot : pair_rows)(x, w, bias, y, M, K, N, threads);
         return;
     }
     for (long r0 = 0; r0 < M; r0 += WIDE_SPAN)
@@ -210,6 +271,9 @@ void pair_linear_dot(const uint16_t *x, const uint32_t *w, const float *bias, ui
 void pair_linear_wide(const uint16_t *x, const uint32_t *w, const float *bias, uint16_t *y, long M, long K, long N, int threads) {
     pair_wide(x, w, bias, y, M, K, N, threads);
 }
+void pair_linear_rows(const uint16_t *x, const uint32_t *w, const float *bias, uint16_t *y, long M, long K, long N, int threads) {
+    pair_rows(x, w, bias, y, M, K, N, threads);
+}
 #endif
 """
 )
@@ -220,7 +284,7 @@ def _library() -> ctypes.CDLL | None:
     lib = compiled(_SOURCE, "pair_linear")
     if lib is None:
         return None
-    for name in ("pair_linear", "pair_linear_dot", "pair_linear_wide"):  # the last two: each path alone, without AVX512-BF16
+    for name in ("pair_linear", "pair_linear_dot", "pair_linear_wide", "pair_linear_rows"):  # the last three: each path alone, without AVX512-BF16
         if hasattr(lib, name):
             getattr(lib, name).restype = None
             getattr(lib, name).argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]

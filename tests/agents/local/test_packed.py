@@ -116,12 +116,13 @@ def test_the_pair_kernel_rounds_the_exact_sum_once(rows: int, bias: bool) -> Non
 @requires_packing
 @pytest.mark.skipif(not _kernels_run(), reason="this project's C kernels do not run here")
 def test_the_pair_kernel_gives_a_row_the_same_bits_in_any_batch() -> None:
-    """Tiles of five rows, a short last tile of its own rows, the widened panel from 48 rows
-    (1,024 at a time): a row's output does not depend on which rows share its call."""
+    """Tiles of five rows, a short last tile of its own rows, rows widened from 3 rows and the
+    widened panel from 48 (1,024 at a time): a row's output does not depend on which rows share
+    its call."""
     torch.manual_seed(3)
-    linear = nn.Linear(250, 80).to(torch.bfloat16)
+    linear = nn.Linear(250, 1040).to(torch.bfloat16)
     layer = PackedLinear(linear.weight, linear.bias)
-    x = torch.randn(1100, 250).to(torch.bfloat16)
+    x = (torch.randn(1100, 250) * torch.randn(1100, 250).mul(3).exp()).to(torch.bfloat16)  # magnitudes far apart: another order would change the rounding
     with torch.no_grad():
         whole = layer(x).view(torch.int16)  # widened 1,024 rows at a time, then 76
         for start, rows in [(0, 1), (3, 2), (7, 3), (11, 4), (0, 6), (20, 7), (2, 13), (1, 48), (5, 55), (1000, 100)]:
@@ -130,27 +131,30 @@ def test_the_pair_kernel_gives_a_row_the_same_bits_in_any_batch() -> None:
 
 @requires_packing
 @pytest.mark.skipif(not _kernels_run() or not hasattr(_kernel(), "pair_linear_wide"), reason="no emulated bf16 pair kernel here (native AVX512-BF16, or none)")
-@pytest.mark.parametrize("rows", [6, 47, 48, 53, 200])
+@pytest.mark.parametrize("rows", [1, 2, 3, 6, 12, 47, 48, 53, 200])
 @pytest.mark.parametrize("bias", [True, False])
 def test_the_widened_pair_kernel_gives_the_same_bits_as_the_pair_products(rows: int, bias: bool) -> None:
-    """Without AVX512-BF16, many rows take weights widened once into a panel: the same products
-    summed in the same order as the pair-at-a-time loop, so the same bits, on every tile shape
-    (rows not a multiple of 6, a last group of one block, inputs not a multiple of 16)."""
+    """Without AVX512-BF16, many rows take weights widened once into a panel, and a few rows are
+    widened themselves with the weights widened pair by pair: the same products summed in the
+    same order as the pair-at-a-time loop, so the same bits, on every tile shape (rows not a
+    multiple of 5 or 6, a last group of one block, inputs not a multiple of 16)."""
     lib = _kernel()
     torch.manual_seed(rows)
-    linear = nn.Linear(250, 80, bias=bias).to(torch.bfloat16)  # 125 pairs; 5 blocks: a group of 4, and 1
+    linear = nn.Linear(250, 1040, bias=bias).to(torch.bfloat16)  # 125 pairs; 65 blocks: 16 groups of 4, and 1
     layer = PackedLinear(linear.weight, linear.bias)
-    x = torch.randn(rows, 250).to(torch.bfloat16)
+    x = (torch.randn(rows, 250) * torch.randn(rows, 250).mul(3).exp()).to(torch.bfloat16)  # magnitudes far apart: an order changes the rounding
     outs = {}
-    for name in ("pair_linear_dot", "pair_linear_wide", "pair_linear"):
-        out = torch.full((rows, 80), float("nan"), dtype=torch.bfloat16)
+    for name in ("pair_linear_dot", "pair_linear_wide", "pair_linear_rows", "pair_linear"):
+        out = torch.full((rows, 1040), float("nan"), dtype=torch.bfloat16)
         bias_at = layer.wide_bias.data_ptr() if bias else None
-        getattr(lib, name)(x.data_ptr(), layer.packed.data_ptr(), bias_at, out.data_ptr(), rows, 250, 80, 2)
+        getattr(lib, name)(x.data_ptr(), layer.packed.data_ptr(), bias_at, out.data_ptr(), rows, 250, 1040, 2)
         outs[name] = out.view(torch.int16)
     assert torch.equal(outs["pair_linear_wide"], outs["pair_linear_dot"])
+    assert torch.equal(outs["pair_linear_rows"], outs["pair_linear_dot"])
     assert torch.equal(outs["pair_linear"], outs["pair_linear_dot"])
     exact = x.double() @ linear.weight.double().t() + (linear.bias.double() if bias else 0)
-    assert bool(((outs["pair_linear"].view(torch.bfloat16).double() - exact).abs() <= exact.abs() * 2**-8 + 1e-5).all())
+    scale = x.double().abs() @ linear.weight.double().abs().t()  # the fp32 sums' rounding grows with it
+    assert bool(((outs["pair_linear"].view(torch.bfloat16).double() - exact).abs() <= exact.abs() * 2**-8 + scale * 1e-5 + 1e-5).all())
 
 
 @requires_packing
