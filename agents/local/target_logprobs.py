@@ -144,24 +144,23 @@ class _RowLogprobs(torch.autograd.Function):
     def forward(ctx: Any, logits: Tensor, targets: Tensor, row_of: Tensor, temperature: float) -> Tensor:
         ctx.temperature = temperature
         targets, row_of = targets.to(torch.int64).contiguous(), row_of.to(torch.int64).contiguous()
-        ctx.picks = _Picks(row_of, targets, *logits.shape)
         lib = _kernel_for(logits)
         if lib is not None:
             rows, width = logits.shape
             lse, picked = torch.empty(rows), torch.empty(len(targets))
             pointers = (logits.data_ptr(), row_of.data_ptr(), targets.data_ptr(), lse.data_ptr(), picked.data_ptr())
             lib.row_logprobs(*pointers, rows, len(targets), width, logits.stride(0), 1.0 / temperature, torch.get_num_threads())
-            ctx.save_for_backward(logits, lse)
+            ctx.save_for_backward(logits, lse, targets, row_of)
             return picked
         scaled = _scaled_fp32(logits, temperature)
         lse = torch.logsumexp(scaled, dim=-1)
-        ctx.save_for_backward(logits, lse)
+        ctx.save_for_backward(logits, lse, targets, row_of)
         return scaled[row_of, targets] - lse[row_of]
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
-        logits, lse = ctx.saved_tensors
-        picks: _Picks = ctx.picks
+        logits, lse, targets, row_of = ctx.saved_tensors
+        picks = _Picks(row_of, targets, *logits.shape)
         inverse = 1.0 / ctx.temperature
         total, weight = picks.sums(grad.float().contiguous())
         lib = _kernel_for(logits)
