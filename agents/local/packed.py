@@ -20,12 +20,15 @@ A last block of fewer than five rows runs as a tile of its own rows (it had run 
 its last): the same sums, and on SmolLM2's layers (2-core Ice Lake, weights in cache, ad hoc
 `small_m.py`) one row of a 576 -> 3072 layer took 59 against 173 us, six rows 139 against 207.
 
-On a CPU without AVX512-BF16 each pair's two products are two FMAs on widened operands. From
-48 rows on, a group's weights are widened once into an fp32 panel that every row tile reads, and
-the rows into fp32, 1,024 at a time (`pair_wide`): the same sums in the same order, so the same
-bits, a median 1.09 times as fast on SmolLM2's layers at 48-2,000 rows on the 2-core Ice Lake
-(0.87-1.30; alternated, ad hoc `wide_ab.py`; ~195 against ~170 GFLOP/s, where PyTorch's fp32
-products ran at ~215).
+On a CPU without AVX512-BF16 each pair's two products are two FMAs on widened operands, in the
+same order, so every path below gives the same bits. From 3 rows on, the call's rows are widened
+once into fp32 and each pair's weights in registers (`pair_rows`), so the FMAs read row values
+from memory and only the weights are unpacked: a median 1.07 times the pair loop's speed on
+SmolLM2's layers at 1-40 rows (0.92-1.19), and as fast or faster than the panel below up to 224
+rows. From 256 rows on, a group's weights are widened once into an fp32 panel that every row
+tile reads, and the rows into fp32, 1,024 at a time (`pair_wide`): 1.01-1.10 times `pair_rows`
+at 256-1,024 rows (2-core Ice Lake, alternated, ad hoc `rows_ab.py` and `rw_ab.py`; the panel
+was ~195 against the pair loop's ~170 GFLOP/s, where PyTorch's fp32 products ran at ~215).
 
 Only for inference (the packed ops have no backward) and only where `packable` says the CPU and
 the dtype take it; `tests/agents/local/test_packed.py` holds the results to `F.linear`'s.
@@ -115,7 +118,7 @@ void pair_linear(const uint16_t *x, const uint32_t *w, const float *bias, uint16
    sixteen weights of each block, then the even inputs'), the rows once into fp32, and the tiles
    run FMAs alone: the same products added in the same order, so the same bits as `pair_dot`. */
 #define WR 6 /* rows a tile: 24 accumulators, 4 weight vectors, a broadcast row value */
-#define WIDE_ROWS 48 /* fewer: the pair loop was as fast or faster (ad hoc `wide_ab.py`) */
+#define WIDE_ROWS 256 /* fewer: `pair_rows` was as fast or faster (ad hoc `rw_ab.py`: 0.71-1.02x at 24-224 rows, 1.01-1.10x at 256-1,024) */
 #define FEW_ROWS 3 /* fewer: the pair loop, which widens nothing, was as fast or faster than `pair_rows` (ad hoc `rows_ab.py`) */
 
 static inline __attribute__((always_inline)) void wide_tile(const float *xw, long K, const float *panel, long pairs, int R, int C,
@@ -164,6 +167,7 @@ static void pair_rows(const uint16_t *x, const uint32_t *w, const float *bias, u
         pair_dot(x, w, bias, y, M, K, N, threads);
         return;
     }
+#pragma omp parallel for num_threads(threads) schedule(static) if (M * K >= 65536)
     for (long r = 0; r < M; r++)
         for (long k = 0; k < K; k += 16) _mm512_mask_storeu_ps(xw + r * K + k, lanes(K - k), load_bf16(x + r * K + k, lanes(K - k)));
     long blocks = N / 16, groups = (blocks + CB - 1) / CB, pairs = K / 2, tiles = (M + RB - 1) / RB;

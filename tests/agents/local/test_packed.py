@@ -117,7 +117,7 @@ def test_the_pair_kernel_rounds_the_exact_sum_once(rows: int, bias: bool) -> Non
 @pytest.mark.skipif(not _kernels_run(), reason="this project's C kernels do not run here")
 def test_the_pair_kernel_gives_a_row_the_same_bits_in_any_batch() -> None:
     """Tiles of five rows, a short last tile of its own rows, rows widened from 3 rows and the
-    widened panel from 48 (1,024 at a time): a row's output does not depend on which rows share
+    widened panel from 256 (1,024 at a time): a row's output does not depend on which rows share
     its call."""
     torch.manual_seed(3)
     linear = nn.Linear(250, 1040).to(torch.bfloat16)
@@ -125,13 +125,13 @@ def test_the_pair_kernel_gives_a_row_the_same_bits_in_any_batch() -> None:
     x = (torch.randn(1100, 250) * torch.randn(1100, 250).mul(3).exp()).to(torch.bfloat16)  # magnitudes far apart: another order would change the rounding
     with torch.no_grad():
         whole = layer(x).view(torch.int16)  # widened 1,024 rows at a time, then 76
-        for start, rows in [(0, 1), (3, 2), (7, 3), (11, 4), (0, 6), (20, 7), (2, 13), (1, 48), (5, 55), (1000, 100)]:
+        for start, rows in [(0, 1), (3, 2), (7, 3), (11, 4), (0, 6), (20, 7), (2, 13), (1, 48), (5, 55), (1000, 100), (30, 255), (40, 300)]:
             assert torch.equal(layer(x[start : start + rows]).view(torch.int16), whole[start : start + rows]), (start, rows)
 
 
 @requires_packing
 @pytest.mark.skipif(not _kernels_run() or not hasattr(_kernel(), "pair_linear_wide"), reason="no emulated bf16 pair kernel here (native AVX512-BF16, or none)")
-@pytest.mark.parametrize("rows", [1, 2, 3, 6, 12, 47, 48, 53, 200])
+@pytest.mark.parametrize("rows", [1, 2, 3, 6, 12, 47, 48, 53, 200, 256])
 @pytest.mark.parametrize("bias", [True, False])
 def test_the_widened_pair_kernel_gives_the_same_bits_as_the_pair_products(rows: int, bias: bool) -> None:
     """Without AVX512-BF16, many rows take weights widened once into a panel, and a few rows are
