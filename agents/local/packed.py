@@ -144,7 +144,7 @@ static inline __attribute__((always_inline)) void wide_tile(const float *xw, lon
         }
 }
 
-/* Fewer rows than WIDE_ROWS: the rows widened once into fp32 (M K values, cheap) and each
+/* FEW_ROWS to WIDE_ROWS - 1 rows: the rows widened once into fp32 (M K values, cheap) and each
    pair's weights widened in registers as the loop reaches them. A tile's FMAs then take their
    row values from memory, and the only unpacking left is the weights' (8 operations to 40 FMAs;
    the pair loop also splits each row's pair, 18 to 40): the same products in the same order. */
