@@ -16,6 +16,7 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from functools import partial
 
 import torch
+from cgym.agents.local.forwards import replaced_forwards
 from cgym.agents.local.kv_cache import attention_on_pairs, attention_pairs_on
 from cgym.trainer.rollout import TOKEN_BUDGET
 from torch.utils.checkpoint import checkpoint
@@ -37,14 +38,8 @@ def _same_attention() -> tuple[AbstractContextManager[None], AbstractContextMana
 def recomputed_layers(model: torch.nn.Module) -> Iterator[int]:
     """Within the block, `model`'s decoder layers keep only their inputs for the backward pass and
     recompute the rest there. Yields how many layers that covers (0: none found, nothing changes)."""
-    layers = decoder_layers(model)
-    for layer in layers:
-        layer.forward = partial(checkpoint, layer.forward, use_reentrant=False, context_fn=_same_attention)  # the instance's, over the class's
-    try:
-        yield len(layers)
-    finally:
-        for layer in layers:
-            del layer.forward
+    with replaced_forwards(decoder_layers(model), lambda layer: partial(checkpoint, layer.forward, use_reentrant=False, context_fn=_same_attention)) as count:
+        yield count
 
 
 def recomputed_past_budget(model: torch.nn.Module, tokens: int) -> AbstractContextManager[int | None]:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from cgym.agents.local.forwards import replaced_forwards
 
 
 def with_lora(model: torch.nn.Module, rank: int, *, adapter: Path | None = None) -> torch.nn.Module:
@@ -61,13 +62,8 @@ def lean_adapters(model: torch.nn.Module) -> Iterator[int]:
     from peft.tuners.lora.layer import Linear
 
     layers = [module for module in model.modules() if type(module) is Linear]  # not peft's quantized or other layer kinds
-    for layer in layers:
-        layer.forward = partial(_adapted, layer)  # the instance's, over the class's
-    try:
-        yield len(layers)
-    finally:
-        for layer in layers:
-            del layer.forward
+    with replaced_forwards(layers, lambda layer: partial(_adapted, layer)) as count:
+        yield count
 
 
 def _adapted(layer: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from functools import cache, partial
 
 import torch
+from cgym.agents.local.forwards import replaced_forwards
 from cgym.agents.local.kernels import available as kernels_available
 from cgym.agents.local.kernels import cpu_flags
 from cgym.agents.local.kv_cache import FOLDED_FROM, attention_on_pairs, weights_version
@@ -122,21 +123,23 @@ def frozen_weights_cast(model: torch.nn.Module) -> Iterator[int]:
     frozen = [m for m in model.modules() if type(m) is torch.nn.Linear and not any(p.requires_grad for p in m.parameters())]
     adapters = [m for m in model.modules() if callable(getattr(m, "_cast_input_dtype", None))]
     flags = [m.__dict__.get("cast_input_dtype_enabled") for m in adapters]
-    for layer in frozen:
-        bias = None if layer.bias is None else layer.bias.detach().to(dtype)
-        layer.forward = partial(_linear_in, layer, layer.weight.detach().to(dtype), bias)  # the instance's, over the class's
     for adapter in adapters:
         adapter.cast_input_dtype_enabled = False
     try:
-        yield len(frozen)
+        with replaced_forwards(frozen, partial(_cast_forward, dtype=dtype)) as count:
+            yield count
     finally:
-        for layer in frozen:
-            del layer.forward
         for adapter, flag in zip(adapters, flags, strict=True):
             if flag is None:
                 del adapter.cast_input_dtype_enabled
             else:
                 adapter.cast_input_dtype_enabled = flag
+
+
+def _cast_forward(layer: torch.nn.Linear, *, dtype: torch.dtype) -> Callable[..., torch.Tensor]:
+    """`layer`'s forward reading its weights cast to `dtype` once (`frozen_weights_cast`)."""
+    bias = None if layer.bias is None else layer.bias.detach().to(dtype)
+    return partial(_linear_in, layer, layer.weight.detach().to(dtype), bias)
 
 
 def _linear_in(layer: torch.nn.Linear, weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
