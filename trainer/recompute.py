@@ -16,7 +16,7 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from functools import partial
 
 import torch
-from cgym.agents.local.forwards import replaced_forwards
+from cgym.agents.local.instances import replaced
 from cgym.agents.local.kv_cache import attention_on_pairs, attention_pairs_on
 from cgym.trainer.rollout import TOKEN_BUDGET
 from torch.utils.checkpoint import checkpoint
@@ -38,7 +38,7 @@ def _same_attention() -> tuple[AbstractContextManager[None], AbstractContextMana
 def recomputed_layers(model: torch.nn.Module) -> Iterator[int]:
     """Within the block, `model`'s decoder layers keep only their inputs for the backward pass and
     recompute the rest there. Yields how many layers that covers (0: none found, nothing changes)."""
-    with replaced_forwards(decoder_layers(model), lambda layer: partial(checkpoint, layer.forward, use_reentrant=False, context_fn=_same_attention)) as count:
+    with replaced(decoder_layers(model), "forward", lambda layer: partial(checkpoint, layer.forward, use_reentrant=False, context_fn=_same_attention)) as count:
         yield count
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from cgym.agents.local.forwards import replaced_forwards
+from cgym.agents.local.instances import replaced
 
 
 def with_lora(model: torch.nn.Module, rank: int, *, adapter: Path | None = None) -> torch.nn.Module:
@@ -62,7 +62,7 @@ def lean_adapters(model: torch.nn.Module) -> Iterator[int]:
     from peft.tuners.lora.layer import Linear
 
     layers = [module for module in model.modules() if type(module) is Linear]  # not peft's quantized or other layer kinds
-    with replaced_forwards(layers, lambda layer: partial(_adapted, layer)) as count:
+    with replaced(layers, "forward", lambda layer: partial(_adapted, layer)) as count:
         yield count
 
 

@@ -15,7 +15,7 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from functools import cache, partial
 
 import torch
-from cgym.agents.local.forwards import replaced_forwards
+from cgym.agents.local.instances import replaced
 from cgym.agents.local.kernels import available as kernels_available
 from cgym.agents.local.kernels import cpu_flags
 from cgym.agents.local.kv_cache import FOLDED_FROM, attention_on_pairs, weights_version
@@ -122,18 +122,8 @@ def frozen_weights_cast(model: torch.nn.Module) -> Iterator[int]:
         return
     frozen = [m for m in model.modules() if type(m) is torch.nn.Linear and not any(p.requires_grad for p in m.parameters())]
     adapters = [m for m in model.modules() if callable(getattr(m, "_cast_input_dtype", None))]
-    flags = [m.__dict__.get("cast_input_dtype_enabled") for m in adapters]
-    for adapter in adapters:
-        adapter.cast_input_dtype_enabled = False
-    try:
-        with replaced_forwards(frozen, partial(_cast_forward, dtype=dtype)) as count:
-            yield count
-    finally:
-        for adapter, flag in zip(adapters, flags, strict=True):
-            if flag is None:
-                del adapter.cast_input_dtype_enabled
-            else:
-                adapter.cast_input_dtype_enabled = flag
+    with replaced(adapters, "cast_input_dtype_enabled", lambda _: False), replaced(frozen, "forward", partial(_cast_forward, dtype=dtype)) as count:
+        yield count
 
 
 def _cast_forward(layer: torch.nn.Linear, *, dtype: torch.dtype) -> Callable[..., torch.Tensor]:
