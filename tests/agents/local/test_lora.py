@@ -64,6 +64,32 @@ def test_adapters_summed_in_one_product_give_peft_bits_in_fp32(tiny_chat_model: 
     assert not any("forward" in vars(m) for m in model.modules())  # peft's forward again after the block
 
 
+def test_adapter_sum_goes_into_the_base_product_in_place(tiny_chat_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No copy of the base product: the adapter's product is added into it (`addmm_`), where an
+    out-of-place `addmm` copies the full-size output first (inside the op: no `copy_` to see)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.names.append(str(func.overloadpacket.__name__))
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setenv(DTYPE_ENV, "float32")
+    model = _lora_model(tiny_chat_model)
+    layer = next(m for m in model.modules() if hasattr(m, "lora_A"))
+    x = torch.randn(2, 5, layer.in_features, requires_grad=True)
+    with lean_adapters(model), Ops() as ops:
+        out = layer(x)
+    assert out.shape == (2, 5, layer.out_features)
+    assert ops.names.count("addmm_") == 1 and "copy_" not in ops.names and "clone" not in ops.names
+    with torch.no_grad():
+        assert torch.equal(out, layer(x))  # peft's forward, bit for bit
+
+
 def test_another_scale_rounds_at_most_differently(tiny_chat_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """alpha / r not a power of two: one rounding fewer than peft's, so close, not bit for bit."""
     monkeypatch.setenv(DTYPE_ENV, "float32")
