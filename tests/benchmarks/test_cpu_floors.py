@@ -144,3 +144,20 @@ def test_counting_keeps_the_signature_the_fast_paths_read(model: torch.nn.Module
         assert set(inspect.signature(cls.forward).parameters) == plain
         assert _forward_kwargs(model)[1], "logits_to_keep must stay visible"
     _signature_kwargs.cache_clear()
+
+
+def test_a_run_keeps_the_best_peak_and_shows_both_readings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rate is taken against the better of the peaks read before and after the work; the
+    JSON also keeps both readings, so a host whose speed moved during the run shows it."""
+    import cgym.benchmarks.cpu_floors as floors
+    import cgym.trainer.embedded as embedded
+
+    readings = iter([100.0, 300.0, 120.0, 250.0])  # bf16 then fp32, before the work and after it
+    monkeypatch.setattr(floors, "matmul_peak_gflops", lambda dtype: next(readings))
+    monkeypatch.setattr(floors, "exp_rate_per_s", lambda: 1e9)
+    monkeypatch.setattr(floors, "read_gb_per_s", lambda: 10.0)
+    monkeypatch.setattr(floors, "greedy_eval", lambda *args: (2.0, FlopCount(inference=6e11, exps=1e6, calls=[Call(0.0, 6e11, 1e8)]), 0.5))
+    monkeypatch.setattr(embedded, "prepare_models", lambda model: None)
+    result = floors.run("unused", steps=0, episodes=1)
+    assert result["matmul_peak_gflops"] == {"bfloat16": 120.0, "float32": 300.0}
+    assert result["matmul_peak_before_after_gflops"] == {"bfloat16": [100.0, 120.0], "float32": [300.0, 250.0]}
