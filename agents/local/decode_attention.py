@@ -243,7 +243,7 @@ void own_attention(const uint16_t *q, const uint16_t *k, const uint16_t *v, cons
     for (long b = 0; b < B; b++) {
         for (long h = 0; h < H; h++) {
             long width = (S + 15) & ~15L;
-            float *scores = aligned_alloc(64, sizeof(float) * M * width);
+            float *scores = aligned64(sizeof(float) * M * width);
             const uint16_t *qm[16];
             const uint8_t *seen[16];
             float peak[16], total[16], row[D];
@@ -284,9 +284,9 @@ void block_attention(const uint16_t *q, const uint16_t *k, const uint16_t *v, co
     long blocks = (S + 15) / 16, width = blocks * 16, qblocks = (M + QB - 1) / QB;
 #pragma omp parallel num_threads(threads)
     {
-        uint32_t *kp = aligned_alloc(64, sizeof(uint32_t) * blocks * 32 * 16);
-        float *vf = aligned_alloc(64, sizeof(float) * width * D);
-        float *scores = aligned_alloc(64, sizeof(float) * QB * width);
+        uint32_t *kp = aligned64(sizeof(uint32_t) * blocks * 32 * 16);
+        float *vf = aligned64(sizeof(float) * width * D);
+        float *scores = aligned64(sizeof(float) * QB * width);
         const uint16_t *packed_k = NULL, *packed_v = NULL;
 #pragma omp for schedule(static)
         for (long item = 0; item < B * H * qblocks; item++) {

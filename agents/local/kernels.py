@@ -88,6 +88,8 @@ static inline __m512 load_bf16(const uint16_t *p, __mmask16 m) { /* up to 16 bf1
 }
 static inline __mmask16 lanes(long left) { return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1); }
 static inline float bf16_value(uint16_t h) { uint32_t bits = (uint32_t)h << 16; float f; memcpy(&f, &bits, 4); return f; }
+/* 64-byte aligned memory: C11's aligned_alloc takes only a size that is a multiple of the alignment */
+static inline void *aligned64(size_t bytes) { return aligned_alloc(64, (bytes + 63) & ~(size_t)63); }
 
 """
 

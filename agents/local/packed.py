@@ -168,7 +168,7 @@ static inline __attribute__((always_inline)) void row_tile(const float *xw, long
 }
 
 static void pair_rows(const uint16_t *x, const uint32_t *w, const float *bias, uint16_t *y, long M, long K, long N, int threads) {
-    float *xw = aligned_alloc(64, sizeof(float) * (M * K + 16));
+    float *xw = aligned64(sizeof(float) * (M * K + 16));
     if (!xw) {
         pair_dot(x, w, bias, y, M, K, N, threads);
         return;
@@ -202,7 +202,7 @@ static void pair_rows(const uint16_t *x, const uint32_t *w, const float *bias, u
 }
 
 static void pair_wide(const uint16_t *x, const uint32_t *w, const float *bias, uint16_t *y, long M, long K, long N, int threads) {
-    float *xw = aligned_alloc(64, sizeof(float) * (M * K + 16));
+    float *xw = aligned64(sizeof(float) * (M * K + 16));
     if (!xw) { /* no room for the widened rows: the pair loop needs none */
         pair_dot(x, w, bias, y, M, K, N, threads);
         return;
@@ -217,7 +217,7 @@ static void pair_wide(const uint16_t *x, const uint32_t *w, const float *bias, u
 #pragma omp for schedule(static)
         for (long r = 0; r < M; r++)
             for (long k = 0; k < K; k += 16) _mm512_mask_storeu_ps(xw + r * K + k, lanes(K - k), load_bf16(x + r * K + k, lanes(K - k)));
-        float *panel = aligned_alloc(64, sizeof(float) * pairs * 2 * CB * 16);
+        float *panel = aligned64(sizeof(float) * pairs * 2 * CB * 16);
         long held = -1; /* the group whose weights the panel holds */
 #pragma omp for collapse(2) schedule(static)
         for (long g = 0; g < groups; g++)

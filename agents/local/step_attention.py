@@ -59,10 +59,10 @@ void step_attention(const uint16_t *q, const uint32_t *kp, const float *vf, cons
     int packed = M > few;
 #pragma omp parallel num_threads(threads)
     {
-        float *sp = aligned_alloc(64, sizeof(float) * (M * pwidth + M * owidth + 16));
+        float *sp = aligned64(sizeof(float) * (M * pwidth + M * owidth + 16));
         float *so = sp + M * pwidth;
-        uint32_t *own_kp = packed ? aligned_alloc(64, sizeof(uint32_t) * (owidth / 16 + 1) * 512) : NULL;
-        float *own_vf = packed ? aligned_alloc(64, sizeof(float) * (owidth + 16) * D) : NULL;
+        uint32_t *own_kp = packed ? aligned64(sizeof(uint32_t) * (owidth / 16 + 1) * 512) : NULL;
+        float *own_vf = packed ? aligned64(sizeof(float) * (owidth + 16) * D) : NULL;
 #pragma omp for collapse(2) schedule(static)
         for (long b = 0; b < B; b++) {
             for (long h = 0; h < H; h++) {
