@@ -70,8 +70,8 @@ def lean_adapters(model: torch.nn.Module) -> Iterator[int]:
 
 def _adapted(layer: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     """A peft LoRA `Linear`'s forward with its one adapter's sum in one `addmm_` (`lean_adapters`).
-    The base product runs on the rows flattened and the adapter on `x` as it comes, as peft runs
-    them: the gradients into `x` then add up in peft's order, bit for bit."""
+    The base product runs on the rows flattened (as `F.linear` flattens them) and the adapter on
+    `x` as it comes: the gradients into `x` then add up in peft's order, bit for bit."""
     names = [name for name in layer.active_adapters if name in layer.lora_A]
     name = names[0] if len(names) == 1 else None
     plain = (
@@ -86,6 +86,7 @@ def _adapted(layer: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Te
         and layer.lora_B[name].bias is None
         and x.dtype == layer.lora_A[name].weight.dtype == layer.lora_B[name].weight.dtype == layer.get_base_layer().weight.dtype == torch.float32
         and not torch.is_autocast_enabled(x.device.type)
+        and not layer.base_layer._forward_hooks  # the base product is summed into in place: nothing else may hold it
     )
     if not plain:
         return type(layer).forward(layer, x, *args, **kwargs)
