@@ -138,10 +138,51 @@ static void score_packed(const uint32_t *kp, long n, const uint16_t **qm, const 
     else score_blocks(kp, n, qm, seen, M, scale, scores, width, peak, span, QB);
 }
 
+#ifndef __AVX512BF16__
+/* score_each for M a constant, on a CPU without AVX512-BF16: the queries widened to fp32 once and
+   each key once for them all, then the FMAs the emulated instruction runs, in its order (odd
+   elements, then even): the same bits, without unpacking both operands at every product */
+static inline __attribute__((always_inline)) void each_fixed(const uint16_t *k, long n, long kss, const uint16_t **qm, const uint8_t **seen,
+                                                             long iss, const int M, float scale, float *scores, long width, float *peak) {
+    __m512 qw[4][4];
+    for (int m = 0; m < M; m++) {
+        __m512i a0 = _mm512_loadu_si512(qm[m]), a1 = _mm512_loadu_si512(qm[m] + 32);
+        qw[m][0] = bf16_hi(a0), qw[m][1] = bf16_lo(a0), qw[m][2] = bf16_hi(a1), qw[m][3] = bf16_lo(a1);
+    }
+    for (long s = 0; s < n; s++) {
+        const uint16_t *ks = k + s * kss;
+        __m512i b0 = _mm512_loadu_si512(ks), b1 = _mm512_loadu_si512(ks + 32);
+        __m512 k0 = bf16_hi(b0), k1 = bf16_lo(b0), k2 = bf16_hi(b1), k3 = bf16_lo(b1);
+        for (int m = 0; m < M; m++) {
+            float score = MASKED;
+            if (seen[m][s * iss]) {
+                __m512 acc = _mm512_fmadd_ps(qw[m][0], k0, _mm512_setzero_ps());
+                acc = _mm512_fmadd_ps(qw[m][1], k1, acc);
+                acc = _mm512_fmadd_ps(qw[m][2], k2, acc);
+                acc = _mm512_fmadd_ps(qw[m][3], k3, acc);
+                score = _mm512_reduce_add_ps(acc) * scale;
+                if (score > peak[m]) peak[m] = score;
+            }
+            scores[m * width + s] = score;
+        }
+    }
+    for (int m = 0; m < M; m++)
+        for (long s = n; s < width; s++) scores[m * width + s] = MASKED;
+}
+#endif
+
 /* The same scores one key at a time, from keys as they lie (few queries: packing would cost more
    than it saves); seen rows strided by iss */
 static void score_each(const uint16_t *k, long n, long kss, const uint16_t **qm, const uint8_t **seen, long iss,
                        long M, float scale, float *scores, long width, float *peak) {
+#ifndef __AVX512BF16__
+    switch (M) {
+        case 1: each_fixed(k, n, kss, qm, seen, iss, 1, scale, scores, width, peak); return;
+        case 2: each_fixed(k, n, kss, qm, seen, iss, 2, scale, scores, width, peak); return;
+        case 3: each_fixed(k, n, kss, qm, seen, iss, 3, scale, scores, width, peak); return;
+        case 4: each_fixed(k, n, kss, qm, seen, iss, 4, scale, scores, width, peak); return;
+    }
+#endif
     for (long s = 0; s < n; s++) {
         const uint16_t *ks = k + s * kss;
         __m512bh k0 = (__m512bh)_mm512_loadu_si512(ks), k1 = (__m512bh)_mm512_loadu_si512(ks + 32);
@@ -177,39 +218,81 @@ static void weigh(float *scores, long width, long M, const float *peak, float *t
     }
 }
 
-/* acc[m] += sum over s < n of w[m][s] * vf[s] (fp32 value rows) */
-static void add_values(const float *vf, long n, const float *w, long width, long M, __m512 acc[16][4]) {
+/* acc[m] += w[m][s] * (r0, r1, r2, r3) for queries m < M: one value row's four vectors. A query
+   whose weight is 0 (a masked key) adds nothing, not even 0 x a stray NaN. */
+#define ADD_ROW(acc, M, w, width, s, r0, r1, r2, r3)                                 \
+    for (long m_ = 0; m_ < (M); m_++) {                                                 \
+        float x_ = (w)[m_ * (width) + (s)];                                             \
+        __mmask16 live_ = x_ != 0.0f ? (__mmask16)0xffff : (__mmask16)0;                \
+        __m512 ww_ = _mm512_set1_ps(x_);                                                \
+        acc[m_][0] = _mm512_mask3_fmadd_ps(ww_, r0, acc[m_][0], live_);                \
+        acc[m_][1] = _mm512_mask3_fmadd_ps(ww_, r1, acc[m_][1], live_);                \
+        acc[m_][2] = _mm512_mask3_fmadd_ps(ww_, r2, acc[m_][2], live_);                \
+        acc[m_][3] = _mm512_mask3_fmadd_ps(ww_, r3, acc[m_][3], live_);                \
+    }
+
+/* acc[m] += sum over s < n of w[m][s] * vf[s] (fp32 value rows), for M a constant: the sums stay
+   in registers (through the array they left and came back for every product) */
+static inline __attribute__((always_inline)) void values_fixed(const float *vf, long n, const float *w, long width, const int M,
+                                                               __m512 acc[16][4]) {
+    __m512 a[4][4];
+    for (int m = 0; m < M; m++)
+        for (int c = 0; c < 4; c++) a[m][c] = acc[m][c];
     for (long s = 0; s < n; s++) {
         const float *vs = vf + s * D;
         __m512 v0 = _mm512_loadu_ps(vs), v1 = _mm512_loadu_ps(vs + 16), v2 = _mm512_loadu_ps(vs + 32), v3 = _mm512_loadu_ps(vs + 48);
-        for (long m = 0; m < M; m++) {
-            float x = w[m * width + s];
-            if (x == 0.0f) continue;
-            __m512 ww = _mm512_set1_ps(x);
-            acc[m][0] = _mm512_fmadd_ps(ww, v0, acc[m][0]);
-            acc[m][1] = _mm512_fmadd_ps(ww, v1, acc[m][1]);
-            acc[m][2] = _mm512_fmadd_ps(ww, v2, acc[m][2]);
-            acc[m][3] = _mm512_fmadd_ps(ww, v3, acc[m][3]);
-        }
+        ADD_ROW(a, M, w, width, s, v0, v1, v2, v3);
     }
+    for (int m = 0; m < M; m++)
+        for (int c = 0; c < 4; c++) acc[m][c] = a[m][c];
+}
+
+/* acc[m] += sum over s < n of w[m][s] * vf[s] (fp32 value rows); each query's sums in s order
+   whatever M is, so the same bits for a query alone or among others */
+static void add_values(const float *vf, long n, const float *w, long width, long M, __m512 acc[16][4]) {
+    switch (M) { /* a decode step's few queries: in registers */
+        case 1: values_fixed(vf, n, w, width, 1, acc); return;
+        case 2: values_fixed(vf, n, w, width, 2, acc); return;
+        case 3: values_fixed(vf, n, w, width, 3, acc); return;
+        case 4: values_fixed(vf, n, w, width, 4, acc); return;
+    }
+    for (long s = 0; s < n; s++) {
+        const float *vs = vf + s * D;
+        __m512 v0 = _mm512_loadu_ps(vs), v1 = _mm512_loadu_ps(vs + 16), v2 = _mm512_loadu_ps(vs + 32), v3 = _mm512_loadu_ps(vs + 48);
+        ADD_ROW(acc, M, w, width, s, v0, v1, v2, v3);
+    }
+}
+
+/* add_values from bf16 value rows read as pairs, M a constant: sums in registers */
+static inline __attribute__((always_inline)) void pairs_fixed(const uint16_t *v, long n, long vss, const float *w, long width, const int M,
+                                                              __m512 acc[16][4]) {
+    __m512 a[4][4];
+    for (int m = 0; m < M; m++)
+        for (int c = 0; c < 4; c++) a[m][c] = acc[m][c];
+    for (long s = 0; s < n; s++) {
+        const uint16_t *vs = v + s * vss;
+        __m512i v0 = _mm512_loadu_si512(vs), v1 = _mm512_loadu_si512(vs + 32);
+        __m512 r0 = bf16_lo(v0), r1 = bf16_hi(v0), r2 = bf16_lo(v1), r3 = bf16_hi(v1);
+        ADD_ROW(a, M, w, width, s, r0, r1, r2, r3);
+    }
+    for (int m = 0; m < M; m++)
+        for (int c = 0; c < 4; c++) acc[m][c] = a[m][c];
 }
 
 /* The same from bf16 value rows read as pairs: even elements land in acc[m][0] and [2], odd ones
    in [1] and [3] (`interleave` puts them back in order) */
 static void add_pairs(const uint16_t *v, long n, long vss, const float *w, long width, long M, __m512 acc[16][4]) {
+    switch (M) {
+        case 1: pairs_fixed(v, n, vss, w, width, 1, acc); return;
+        case 2: pairs_fixed(v, n, vss, w, width, 2, acc); return;
+        case 3: pairs_fixed(v, n, vss, w, width, 3, acc); return;
+        case 4: pairs_fixed(v, n, vss, w, width, 4, acc); return;
+    }
     for (long s = 0; s < n; s++) {
         const uint16_t *vs = v + s * vss;
         __m512i v0 = _mm512_loadu_si512(vs), v1 = _mm512_loadu_si512(vs + 32);
         __m512 r0 = bf16_lo(v0), r1 = bf16_hi(v0), r2 = bf16_lo(v1), r3 = bf16_hi(v1);
-        for (long m = 0; m < M; m++) {
-            float x = w[m * width + s];
-            if (x == 0.0f) continue;
-            __m512 ww = _mm512_set1_ps(x);
-            acc[m][0] = _mm512_fmadd_ps(ww, r0, acc[m][0]);
-            acc[m][1] = _mm512_fmadd_ps(ww, r1, acc[m][1]);
-            acc[m][2] = _mm512_fmadd_ps(ww, r2, acc[m][2]);
-            acc[m][3] = _mm512_fmadd_ps(ww, r3, acc[m][3]);
-        }
+        ADD_ROW(acc, M, w, width, s, r0, r1, r2, r3);
     }
 }
 

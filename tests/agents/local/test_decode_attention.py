@@ -391,3 +391,21 @@ def test_a_bf16_policy_without_a_shared_prompt_samples_through_the_kernels(tiny_
     policy.act(convs)
     assert any(calls)
     assert all(any(conv.loss_mask) for conv in convs)  # each row sampled ids
+
+
+@requires_kernel
+@pytest.mark.parametrize("queries", [1, 2, 3, 4])
+def test_few_queries_give_each_query_the_fp32_bits_it_gets_among_many(queries: int) -> None:
+    """One to four queries a (row, head) take loops of their own (sums in registers; without
+    AVX512-BF16 the queries widened once); each query's sums run in the same order as among more
+    queries, so its fp32 output and log-sum-exp are those it gets among them."""
+    q, k, v, visible = _inputs(3, queries, 1, 150, seed=queries)
+    q = (q.float() * 3).to(torch.bfloat16)  # large scores: a score's last bits move its weight
+    v = (v.float() * torch.exp(3 * torch.randn(v.shape))).to(torch.bfloat16)  # sums that cancel: their order shows
+    few = own_attention(q, k, v, visible, 0.125)
+    copies = 4 // queries + 1  # more than four queries: the loops for any number
+    many = own_attention(torch.cat([q] * copies, 2), k, v, visible, 0.125)
+    assert few is not None and many is not None
+    for step in range(copies):
+        rows = slice(step * queries, (step + 1) * queries)
+        assert torch.equal(few[0], many[0][:, :, rows]) and torch.equal(few[1], many[1][:, :, rows])

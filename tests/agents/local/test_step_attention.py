@@ -112,3 +112,27 @@ def test_no_kernel_where_it_does_not_apply(case: str, monkeypatch: pytest.Monkey
     elif case == "mask_dtype":
         visible = visible.float()
     assert step_attention(query, packed, key, value, visible, 0.125) is None
+
+
+@pytest.mark.parametrize("group", [1, 2, 3, 4])
+def test_few_queries_give_each_query_the_bits_it_gets_among_many(group: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One to four queries a row and kv head take loops of their own (sums in registers, queries
+    widened once without AVX512-BF16); each query's sums run in the order of the loop for any
+    number, so a decode step's outputs are those of the same queries among more."""
+    import cgym.agents.local.step_attention as module
+
+    query, prefix_k, prefix_v, key, value, visible = _inputs(5, 1, 100, 300, heads=3 * group, kv_heads=3)
+    # The outputs are bf16, which hides an fp32 sum's last bits: here the prefix's values are
+    # +-4096 and small parts in turn, under equal weights (its keys 0), so that partial sums
+    # near 4096 round the small parts, differently in another order, and the small total shows it. The own keys'
+    # sums are held to the same order through `own_attention`'s fp32 outputs (test_decode_attention).
+    prefix_k, visible = torch.zeros_like(prefix_k), torch.zeros_like(visible)  # and no own key seen
+    big = torch.tensor([4096.0, 0.0, -4096.0, 0.0]).repeat(25).view(1, 1, 100, 1)  # keys 0, 2, 4, ...: +-4096 in turn
+    prefix_v = torch.where(big != 0, big, torch.randn(prefix_v.shape) / 1024).to(torch.bfloat16)  # the odd keys: parts below fp32's step at 4096
+    prefix = pack_prefix(prefix_k, prefix_v)
+    few = step_attention(query, prefix, key, value, visible, 0.125)
+    monkeypatch.setattr(module, "FEW_QUERIES", 16)  # more queries read the keys one at a time too
+    copies = 4 // group + 1  # group x copies > 4 queries a row and kv head: the loops for any number
+    many = step_attention(torch.cat([query] * copies, 2), prefix, key, value, torch.cat([visible] * copies, 1), 0.125)
+    assert few is not None and many is not None
+    assert all(torch.equal(few[:, 0], many[:, step]) for step in range(copies))
