@@ -231,43 +231,27 @@ static void weigh(float *scores, long width, long M, const float *peak, float *t
         acc[m_][3] = _mm512_mask3_fmadd_ps(ww_, r3, acc[m_][3], live_);                \
     }
 
-/* acc[m] += sum over s < n of w[m][s] * vf[s] (fp32 value rows), for M a constant: the sums stay
-   in registers (through the array they left and came back for every product) */
-static inline __attribute__((always_inline)) void values_fixed(const float *vf, long n, const float *w, long width, const int M,
-                                                               __m512 acc[16][4]) {
-    __m512 a[4][4];
-    for (int m = 0; m < M; m++)
+/* acc[m] += sum over s < n of w[m][s] * vf[s] (fp32 value rows). Inlined with M a constant, the
+   sums stay in registers (held in `acc`, they left and came back for every product). */
+static inline __attribute__((always_inline)) void values_loop(const float *vf, long n, const float *w, long width, long M, __m512 acc[16][4]) {
+    __m512 a[16][4];
+    for (long m = 0; m < M; m++)
         for (int c = 0; c < 4; c++) a[m][c] = acc[m][c];
     for (long s = 0; s < n; s++) {
         const float *vs = vf + s * D;
         __m512 v0 = _mm512_loadu_ps(vs), v1 = _mm512_loadu_ps(vs + 16), v2 = _mm512_loadu_ps(vs + 32), v3 = _mm512_loadu_ps(vs + 48);
         ADD_ROW(a, M, w, width, s, v0, v1, v2, v3);
     }
-    for (int m = 0; m < M; m++)
+    for (long m = 0; m < M; m++)
         for (int c = 0; c < 4; c++) acc[m][c] = a[m][c];
 }
 
-/* acc[m] += sum over s < n of w[m][s] * vf[s] (fp32 value rows); each query's sums in s order
-   whatever M is, so the same bits for a query alone or among others */
-static void add_values(const float *vf, long n, const float *w, long width, long M, __m512 acc[16][4]) {
-    switch (M) { /* a decode step's few queries: in registers */
-        case 1: values_fixed(vf, n, w, width, 1, acc); return;
-        case 2: values_fixed(vf, n, w, width, 2, acc); return;
-        case 3: values_fixed(vf, n, w, width, 3, acc); return;
-        case 4: values_fixed(vf, n, w, width, 4, acc); return;
-    }
-    for (long s = 0; s < n; s++) {
-        const float *vs = vf + s * D;
-        __m512 v0 = _mm512_loadu_ps(vs), v1 = _mm512_loadu_ps(vs + 16), v2 = _mm512_loadu_ps(vs + 32), v3 = _mm512_loadu_ps(vs + 48);
-        ADD_ROW(acc, M, w, width, s, v0, v1, v2, v3);
-    }
-}
-
-/* add_values from bf16 value rows read as pairs, M a constant: sums in registers */
-static inline __attribute__((always_inline)) void pairs_fixed(const uint16_t *v, long n, long vss, const float *w, long width, const int M,
-                                                              __m512 acc[16][4]) {
-    __m512 a[4][4];
-    for (int m = 0; m < M; m++)
+/* values_loop from bf16 value rows read as pairs: even elements land in acc[m][0] and [2], odd
+   ones in [1] and [3] (`interleave` puts them back in order) */
+static inline __attribute__((always_inline)) void pairs_loop(const uint16_t *v, long n, long vss, const float *w, long width, long M,
+                                                             __m512 acc[16][4]) {
+    __m512 a[16][4];
+    for (long m = 0; m < M; m++)
         for (int c = 0; c < 4; c++) a[m][c] = acc[m][c];
     for (long s = 0; s < n; s++) {
         const uint16_t *vs = v + s * vss;
@@ -275,24 +259,29 @@ static inline __attribute__((always_inline)) void pairs_fixed(const uint16_t *v,
         __m512 r0 = bf16_lo(v0), r1 = bf16_hi(v0), r2 = bf16_lo(v1), r3 = bf16_hi(v1);
         ADD_ROW(a, M, w, width, s, r0, r1, r2, r3);
     }
-    for (int m = 0; m < M; m++)
+    for (long m = 0; m < M; m++)
         for (int c = 0; c < 4; c++) acc[m][c] = a[m][c];
 }
 
-/* The same from bf16 value rows read as pairs: even elements land in acc[m][0] and [2], odd ones
-   in [1] and [3] (`interleave` puts them back in order) */
+/* Each query's sums run in s order whatever M is: the same bits for a query alone or among
+   others. A decode step's few queries take a loop of constant size. */
+static void add_values(const float *vf, long n, const float *w, long width, long M, __m512 acc[16][4]) {
+    switch (M) {
+        case 1: values_loop(vf, n, w, width, 1, acc); return;
+        case 2: values_loop(vf, n, w, width, 2, acc); return;
+        case 3: values_loop(vf, n, w, width, 3, acc); return;
+        case 4: values_loop(vf, n, w, width, 4, acc); return;
+        default: values_loop(vf, n, w, width, M, acc);
+    }
+}
+
 static void add_pairs(const uint16_t *v, long n, long vss, const float *w, long width, long M, __m512 acc[16][4]) {
     switch (M) {
-        case 1: pairs_fixed(v, n, vss, w, width, 1, acc); return;
-        case 2: pairs_fixed(v, n, vss, w, width, 2, acc); return;
-        case 3: pairs_fixed(v, n, vss, w, width, 3, acc); return;
-        case 4: pairs_fixed(v, n, vss, w, width, 4, acc); return;
-    }
-    for (long s = 0; s < n; s++) {
-        const uint16_t *vs = v + s * vss;
-        __m512i v0 = _mm512_loadu_si512(vs), v1 = _mm512_loadu_si512(vs + 32);
-        __m512 r0 = bf16_lo(v0), r1 = bf16_hi(v0), r2 = bf16_lo(v1), r3 = bf16_hi(v1);
-        ADD_ROW(acc, M, w, width, s, r0, r1, r2, r3);
+        case 1: pairs_loop(v, n, vss, w, width, 1, acc); return;
+        case 2: pairs_loop(v, n, vss, w, width, 2, acc); return;
+        case 3: pairs_loop(v, n, vss, w, width, 3, acc); return;
+        case 4: pairs_loop(v, n, vss, w, width, 4, acc); return;
+        default: pairs_loop(v, n, vss, w, width, M, acc);
     }
 }
 
