@@ -130,12 +130,17 @@ static inline __attribute__((always_inline)) void score_blocks(const uint32_t *k
     }
 }
 
-/* score_blocks in blocks of 8 queries, or of 4 for a decode step's few (half the products went
-   to repeated queries otherwise) */
+/* score_blocks in blocks of 8 queries, or of a decode step's 1-4 as they come (a block of 8 or 4
+   spent its other products on repeated queries) */
 static void score_packed(const uint32_t *kp, long n, const uint16_t **qm, const uint8_t **seen, long M,
                          float scale, float *scores, long width, float *peak, long *span) {
-    if (M <= 4) score_blocks(kp, n, qm, seen, M, scale, scores, width, peak, span, 4);
-    else score_blocks(kp, n, qm, seen, M, scale, scores, width, peak, span, QB);
+    switch (M) {
+        case 1: score_blocks(kp, n, qm, seen, M, scale, scores, width, peak, span, 1); return;
+        case 2: score_blocks(kp, n, qm, seen, M, scale, scores, width, peak, span, 2); return;
+        case 3: score_blocks(kp, n, qm, seen, M, scale, scores, width, peak, span, 3); return;
+        case 4: score_blocks(kp, n, qm, seen, M, scale, scores, width, peak, span, 4); return;
+        default: score_blocks(kp, n, qm, seen, M, scale, scores, width, peak, span, QB);
+    }
 }
 
 #ifndef __AVX512BF16__
