@@ -171,8 +171,6 @@ static inline __attribute__((always_inline)) void each_fixed(const uint16_t *k, 
             scores[m * width + s] = score;
         }
     }
-    for (int m = 0; m < M; m++)
-        for (long s = n; s < width; s++) scores[m * width + s] = MASKED;
 }
 #endif
 
@@ -180,15 +178,16 @@ static inline __attribute__((always_inline)) void each_fixed(const uint16_t *k, 
    than it saves); seen rows strided by iss */
 static void score_each(const uint16_t *k, long n, long kss, const uint16_t **qm, const uint8_t **seen, long iss,
                        long M, float scale, float *scores, long width, float *peak) {
+    long done = 0; /* keys scored before the loop below */
 #ifndef __AVX512BF16__
     switch (M) {
-        case 1: each_fixed(k, n, kss, qm, seen, iss, 1, scale, scores, width, peak); return;
-        case 2: each_fixed(k, n, kss, qm, seen, iss, 2, scale, scores, width, peak); return;
-        case 3: each_fixed(k, n, kss, qm, seen, iss, 3, scale, scores, width, peak); return;
-        case 4: each_fixed(k, n, kss, qm, seen, iss, 4, scale, scores, width, peak); return;
+        case 1: each_fixed(k, n, kss, qm, seen, iss, 1, scale, scores, width, peak); done = n; break;
+        case 2: each_fixed(k, n, kss, qm, seen, iss, 2, scale, scores, width, peak); done = n; break;
+        case 3: each_fixed(k, n, kss, qm, seen, iss, 3, scale, scores, width, peak); done = n; break;
+        case 4: each_fixed(k, n, kss, qm, seen, iss, 4, scale, scores, width, peak); done = n; break;
     }
 #endif
-    for (long s = 0; s < n; s++) {
+    for (long s = done; s < n; s++) {
         const uint16_t *ks = k + s * kss;
         __m512bh k0 = (__m512bh)_mm512_loadu_si512(ks), k1 = (__m512bh)_mm512_loadu_si512(ks + 32);
         for (long m = 0; m < M; m++) {
