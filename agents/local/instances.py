@@ -15,14 +15,17 @@ def replaced(modules: Sequence[nn.Module], name: str, value_for: Callable[[nn.Mo
     """Within the block, each module's instance holds `value_for(module)` as `name` (a forward
     there goes over its class's); afterwards the instance holds what it did before, or nothing.
     Yields how many modules."""
-    saved = [module.__dict__.get(name) for module in modules]
+    saved = [module.__dict__.get(name, _ABSENT) for module in modules]
     for module in modules:
         setattr(module, name, value_for(module))
     try:
         yield len(modules)
     finally:
         for module, before in zip(modules, saved, strict=True):
-            if before is None:
+            if before is _ABSENT:
                 delattr(module, name)
             else:
                 setattr(module, name, before)
+
+
+_ABSENT = object()  # no instance attribute before the block (one holding None is given back)

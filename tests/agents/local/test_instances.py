@@ -26,3 +26,11 @@ def test_nested_blocks_and_errors_give_back_the_instance_forward_there_was() -> 
             raise RuntimeError
         assert float(layer(x)[0, 0]) == 1.0
     assert "forward" not in layer.__dict__
+
+
+def test_an_instance_attribute_holding_none_is_given_back() -> None:
+    layer = nn.Linear(2, 2)
+    layer.cast_input_dtype_enabled = None
+    with replaced([layer], "cast_input_dtype_enabled", lambda _: False):
+        assert layer.cast_input_dtype_enabled is False
+    assert "cast_input_dtype_enabled" in layer.__dict__ and layer.cast_input_dtype_enabled is None
