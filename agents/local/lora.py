@@ -86,7 +86,7 @@ def _adapted(layer: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Te
         and layer.lora_B[name].bias is None
         and x.dtype == layer.lora_A[name].weight.dtype == layer.lora_B[name].weight.dtype == layer.get_base_layer().weight.dtype == torch.float32
         and not torch.is_autocast_enabled(x.device.type)
-        and not layer.base_layer._forward_hooks  # the base product is summed into in place: nothing else may hold it
+        and not _hooked(layer.base_layer)  # the base product is summed into in place: nothing else may hold it
     )
     if not plain:
         return type(layer).forward(layer, x, *args, **kwargs)
@@ -94,6 +94,12 @@ def _adapted(layer: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Te
     hidden = layer.lora_A[name](x)
     result.addmm_(hidden.reshape(-1, hidden.shape[-1]), layer.lora_B[name].weight.t(), alpha=layer.scaling[name])
     return result.view(*x.shape[:-1], result.shape[-1])
+
+
+def _hooked(module: torch.nn.Module) -> bool:
+    """Whether a forward hook sees `module`'s output: its own, or one registered for every
+    module (`torch.nn.modules.module.register_module_forward_hook`, as some profilers do)."""
+    return bool(module._forward_hooks) or bool(getattr(torch.nn.modules.module, "_global_forward_hooks", None))
 
 
 def has_adapters(model: torch.nn.Module) -> bool:

@@ -95,6 +95,28 @@ def test_adapter_sum_goes_into_the_base_product_in_place(tiny_chat_model: Path, 
         assert torch.equal(out, layer(x))  # peft's forward, bit for bit
 
 
+def test_a_hook_on_every_module_keeps_the_base_product_whole(tiny_chat_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A global forward hook (`register_module_forward_hook`) sees every base layer's output
+    too: with one registered, the layers take peft's forward and the output it holds stays the
+    base product."""
+    from torch.nn.modules.module import register_module_forward_hook
+
+    monkeypatch.setenv(DTYPE_ENV, "float32")
+    model = _lora_model(tiny_chat_model)
+    layer = next(m for m in model.modules() if hasattr(m, "lora_A"))
+    x = torch.randn(2, 5, layer.in_features)
+    with torch.no_grad():
+        base = layer.base_layer(x)
+    seen: list[torch.Tensor] = []
+    handle = register_module_forward_hook(lambda module, args, output: seen.append(output) if module is layer.base_layer else None)
+    try:
+        with lean_adapters(model), torch.no_grad():
+            out = layer(x)
+    finally:
+        handle.remove()
+    assert len(seen) == 1 and torch.equal(seen[0], base) and not torch.equal(out, base)
+
+
 def test_another_scale_rounds_at_most_differently(tiny_chat_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """alpha / r not a power of two: one rounding fewer than peft's, so close, not bit for bit."""
     monkeypatch.setenv(DTYPE_ENV, "float32")
