@@ -12,9 +12,10 @@ bf16 pairs multiplied exactly and summed in fp32, as FlashAttention's GPU kernel
 softmax weights and their gradients to bf16 before the last three products. Sixteen keys a
 block, blocks a query block sees none of are skipped. Two passes per kv head:
 
-1. query blocks over key blocks: the scores again (bit for bit the forward kernel's), the
-   weights `p = exp(score - lse)`, `dp = dO . v`, `ds = p (dp - delta)` with
-   `delta = dO . O`; the query gradient `scale * sum_s ds k_s`; `p` and `ds` kept, transposed.
+1. query blocks over key blocks, two key blocks at a time as in the forward kernel
+   (`block_products`): the scores again (bit for bit the forward kernel's), the weights
+   `p = exp(score - lse)`, `dp = dO . v`, `ds = p (dp - delta)` with `delta = dO . O`; the
+   query gradient `scale * sum_s ds k_s`; `p` and `ds` kept, transposed.
 2. key blocks over query pairs: `dV = sum_m p dO_m` and `dK = scale * sum_m ds q_m`, their
    accumulators in registers.
 
@@ -146,6 +147,7 @@ void attention_backward(const uint16_t *q, const uint16_t *k, const uint16_t *v,
                 long rows = M - m0 < BQ ? M - m0 : BQ; /* >= 1: mp rounds M up by less than BQ */
                 const uint32_t *qr[BQ], *orow[BQ];
                 const uint8_t *seen[BQ];
+                float qw[BQ][D] __attribute__((aligned(64))), ow[BQ][D] __attribute__((aligned(64)));
                 __m512 low[BQ], mid[BQ], acc[BQ][4];
                 for (int r = 0; r < BQ; r++) {
                     long m = m0 + (r < rows ? r : rows - 1); /* a short block repeats its last query, never written */
@@ -155,49 +157,63 @@ void attention_backward(const uint16_t *q, const uint16_t *k, const uint16_t *v,
                     low[r] = _mm512_set1_ps(lse[n * M + m]);
                     mid[r] = _mm512_set1_ps(DELTA(n)[m]);
                     for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_ps();
+#ifndef __AVX512BF16__
+                    for (int c = 0; c < 4; c++) {
+                        _mm512_store_ps(qw[r] + 16 * c, load_bf16((const uint16_t *)qr[r] + 16 * c, 0xffff));
+                        _mm512_store_ps(ow[r] + 16 * c, load_bf16((const uint16_t *)orow[r] + 16 * c, 0xffff));
+                    }
+#endif
                 }
-                for (long j = 0; j < blocks; j++) {
-                    __mmask16 inside = lanes(S - j * 16), live[BQ];
-                    int any = 0;
-                    for (int r = 0; r < BQ; r++) {
-                        __m128i bytes = _mm_maskz_loadu_epi8(inside, seen[r] + j * 16);
-                        live[r] = r < rows ? _mm_test_epi8_mask(bytes, bytes) : 0;
-                        any |= live[r];
-                    }
-                    if (!any) continue; /* never read in pass 2 */
-                    FLAGS(n)[qb * blocks + j] = 1;
-                    __m512 sc[BQ], dp[BQ];
-                    for (int r = 0; r < BQ; r++) sc[r] = dp[r] = _mm512_setzero_ps();
-                    const uint32_t *kj = KP(n) + j * 512, *vj = VP(n) + j * 512;
-                    for (int i = 0; i < 32; i++) {
-                        __m512bh kv = (__m512bh)_mm512_load_si512(kj + i * 16), vv = (__m512bh)_mm512_load_si512(vj + i * 16);
+                for (long j0 = 0; j0 < blocks; j0 += 2) { /* two key blocks a pass where both are seen */
+                    long seen_blocks[2], two = 0;
+                    __mmask16 live[2][BQ];
+                    for (long j = j0; j < j0 + 2 && j < blocks; j++) {
+                        __mmask16 inside = lanes(S - j * 16);
+                        int any = 0;
                         for (int r = 0; r < BQ; r++) {
-                            sc[r] = _mm512_dpbf16_ps(sc[r], (__m512bh)_mm512_set1_epi32((int)qr[r][i]), kv);
-                            dp[r] = _mm512_dpbf16_ps(dp[r], (__m512bh)_mm512_set1_epi32((int)orow[r][i]), vv);
+                            __m128i bytes = _mm_maskz_loadu_epi8(inside, seen[r] + j * 16);
+                            live[two][r] = r < rows ? _mm_test_epi8_mask(bytes, bytes) : 0;
+                            any |= live[two][r];
                         }
+                        if (any) seen_blocks[two++] = j; /* a block none sees is never read in pass 2 */
                     }
-                    __m256i pb[BQ], sl[BQ];
-                    __m512i sb[BQ];
-                    for (int r = 0; r < BQ; r++) {
-                        __m512 p = _mm512_maskz_mov_ps(live[r], exp_neg(_mm512_fmsub_ps(sc[r], _mm512_set1_ps(scale), low[r])));
-                        __m512 ds = _mm512_mul_ps(p, _mm512_sub_ps(dp[r], mid[r]));
-                        pb[r] = (__m256i)_mm512_cvtneps_pbh(p);
-                        sl[r] = (__m256i)_mm512_cvtneps_pbh(ds);
-                        sb[r] = _mm512_castsi256_si512(sl[r]);
+                    if (!two) continue;
+                    __m512 sc[2][QB], dp[2][QB];
+                    const uint32_t *kb[2], *vb[2];
+                    for (int t = 0; t < two; t++) kb[t] = KP(n) + seen_blocks[t] * 512, vb[t] = VP(n) + seen_blocks[t] * 512;
+                    if (two == 2) {
+                        block_products(kb, qr, qw, BQ, 2, sc);
+                        block_products(vb, orow, ow, BQ, 2, dp);
+                    } else {
+                        block_products(kb, qr, qw, BQ, 1, sc);
+                        block_products(vb, orow, ow, BQ, 1, dp);
                     }
-                    store_pairs(pb, PT(n) + j * 16 * (qc / 2) + (m0 - c0) / 2, qc / 2);
-                    store_pairs(sl, ST(n) + j * 16 * (qc / 2) + (m0 - c0) / 2, qc / 2);
-                    const uint32_t *kpair = KI(n) + j * 8 * D;
-                    for (int i = 0; i < 8; i++) { /* dq += ds k over the block's key pairs */
-                        __m512bh k0 = (__m512bh)_mm512_load_si512(kpair + i * D), k1 = (__m512bh)_mm512_load_si512(kpair + i * D + 16);
-                        __m512bh k2 = (__m512bh)_mm512_load_si512(kpair + i * D + 32), k3 = (__m512bh)_mm512_load_si512(kpair + i * D + 48);
-                        __m512i which = _mm512_set1_epi32(i);
+                    for (int t = 0; t < two; t++) {
+                        long j = seen_blocks[t];
+                        FLAGS(n)[qb * blocks + j] = 1;
+                        __m256i pb[BQ], sl[BQ];
+                        __m512i sb[BQ];
                         for (int r = 0; r < BQ; r++) {
-                            __m512bh x = (__m512bh)_mm512_permutexvar_epi32(which, sb[r]);
-                            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], x, k0);
-                            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], x, k1);
-                            acc[r][2] = _mm512_dpbf16_ps(acc[r][2], x, k2);
-                            acc[r][3] = _mm512_dpbf16_ps(acc[r][3], x, k3);
+                            __m512 p = _mm512_maskz_mov_ps(live[t][r], exp_neg(_mm512_fmsub_ps(sc[t][r], _mm512_set1_ps(scale), low[r])));
+                            __m512 ds = _mm512_mul_ps(p, _mm512_sub_ps(dp[t][r], mid[r]));
+                            pb[r] = (__m256i)_mm512_cvtneps_pbh(p);
+                            sl[r] = (__m256i)_mm512_cvtneps_pbh(ds);
+                            sb[r] = _mm512_castsi256_si512(sl[r]);
+                        }
+                        store_pairs(pb, PT(n) + j * 16 * (qc / 2) + (m0 - c0) / 2, qc / 2);
+                        store_pairs(sl, ST(n) + j * 16 * (qc / 2) + (m0 - c0) / 2, qc / 2);
+                        const uint32_t *kpair = KI(n) + j * 8 * D;
+                        for (int i = 0; i < 8; i++) { /* dq += ds k over the block's key pairs */
+                            __m512bh k0 = (__m512bh)_mm512_load_si512(kpair + i * D), k1 = (__m512bh)_mm512_load_si512(kpair + i * D + 16);
+                            __m512bh k2 = (__m512bh)_mm512_load_si512(kpair + i * D + 32), k3 = (__m512bh)_mm512_load_si512(kpair + i * D + 48);
+                            __m512i which = _mm512_set1_epi32(i);
+                            for (int r = 0; r < BQ; r++) {
+                                __m512bh x = (__m512bh)_mm512_permutexvar_epi32(which, sb[r]);
+                                acc[r][0] = _mm512_dpbf16_ps(acc[r][0], x, k0);
+                                acc[r][1] = _mm512_dpbf16_ps(acc[r][1], x, k1);
+                                acc[r][2] = _mm512_dpbf16_ps(acc[r][2], x, k2);
+                                acc[r][3] = _mm512_dpbf16_ps(acc[r][3], x, k3);
+                            }
                         }
                     }
                 }

@@ -14,7 +14,9 @@ to merge with the shared prefix's part.
 `block_attention` is the same attention for many queries: a prefill's rows over their own keys,
 and every row's queries over the shared system prompt. It lays sixteen keys across a vector's
 lanes, so that a block of eight queries gets sixteen scores each from 32 `vdpbf16ps` with no
-horizontal sums, and reads the prompt's bf16 keys once for all rows. Against the flash kernel on
+horizontal sums, and reads the prompt's bf16 keys once for all rows. It scores two key blocks at a
+time, so that each query element read from memory feeds both: that read, not the products, bound
+the loop (2-core Ice Lake: the whole kernel 1.1-1.3x as fast, `benchmarks/RESULTS.md`). Against the flash kernel on
 fp32 copies (2 cores): 100 rows' 101-id prefill over a 269-id prompt 27 against 48 ms a layer,
 its own part (303 queries a row over 188 keys, causal) 20 against 50 ms.
 
@@ -71,11 +73,58 @@ static void widen_values(const uint16_t *v, long n, long vss, long width, float 
     }
 }
 
+/* Which of block j's sixteen keys (of n) each of `rows` queries sees (seen[m]: a row of n
+   visibility bytes, or seen NULL: every key), and whether any of them sees one */
+static inline __attribute__((always_inline)) int block_live(const uint8_t **seen, long m0, long rows, long n, long j, __mmask16 *live) {
+    long left = n - j * 16;
+    __mmask16 inside = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+    int any = 0;
+    for (int r = 0; r < rows; r++) {
+        live[r] = inside;
+        if (seen) {
+            const uint8_t *row = seen[m0 + r] + j * 16;
+            __m128i bytes = left >= 16 ? _mm_loadu_si128((const __m128i *)row) : _mm_maskz_loadu_epi8(inside, row);
+            live[r] &= _mm_test_epi8_mask(bytes, bytes);
+        }
+        any |= live[r];
+    }
+    return any != 0;
+}
+
+/* acc[b][r] = q_r . each of the sixteen keys of packed block kb[b], for `two` (1 or 2) blocks
+   at once. The loop is bound by reading the query elements, not by the products: two blocks
+   read each once for both. Without AVX512-BF16 the queries come widened (qw[r][d]: element d
+   as fp32) and each pair is the emulated instruction's two FMAs in its order, odd element first. */
+static inline __attribute__((always_inline)) void block_products(const uint32_t *const kb[2], const uint32_t *const *qr, float (*qw)[D],
+                                                                 const int qb, const int two, __m512 acc[2][QB]) {
+    for (int b = 0; b < two; b++)
+        for (int r = 0; r < qb; r++) acc[b][r] = _mm512_setzero_ps();
+    for (int i = 0; i < 32; i++) {
+        __m512i kv[2];
+        for (int b = 0; b < two; b++) kv[b] = _mm512_load_si512(kb[b] + i * 16);
+#ifdef __AVX512BF16__
+        (void)qw;
+        for (int r = 0; r < qb; r++) {
+            __m512bh x = (__m512bh)_mm512_set1_epi32((int)qr[r][i]);
+            for (int b = 0; b < two; b++) acc[b][r] = _mm512_dpbf16_ps(acc[b][r], x, (__m512bh)kv[b]);
+        }
+#else
+        (void)qr;
+        __m512 hi[2], lo[2];
+        for (int b = 0; b < two; b++) hi[b] = bf16_hi(kv[b]), lo[b] = bf16_lo(kv[b]);
+        for (int r = 0; r < qb; r++) {
+            __m512 odd = _mm512_set1_ps(qw[r][2 * i + 1]), even = _mm512_set1_ps(qw[r][2 * i]);
+            for (int b = 0; b < two; b++) acc[b][r] = _mm512_fmadd_ps(even, lo[b], _mm512_fmadd_ps(odd, hi[b], acc[b][r]));
+        }
+#endif
+    }
+}
+
 /* scores[m][s] = (q_m . key s) * scale for n packed keys, in blocks of qb <= QB queries; MASKED
    past n and where seen[m] (a row of n visibility bytes, or NULL: every key) says 0, a block of
    sixteen keys no query of a block sees skipped. peak[m] rises to the largest; span (or NULL)
-   widens to [first, last + 1) of the blocks some query sees. Inlined with qb a constant, so each
-   block size gets its own loops. */
+   widens to [first, last + 1) of the blocks some query sees. Key blocks go two at a time where
+   both are seen. Inlined with qb a constant, so each block size gets its own loops. */
 static inline __attribute__((always_inline)) void score_blocks(const uint32_t *kp, long n, const uint16_t **qm, const uint8_t **seen, long M,
                          float scale, float *scores, long width, float *peak, long *span, const int qb) {
     long blocks = (n + 15) / 16;
@@ -83,44 +132,45 @@ static inline __attribute__((always_inline)) void score_blocks(const uint32_t *k
     for (long m0 = 0; m0 < M; m0 += qb) {
         long rows = M - m0 < qb ? M - m0 : qb;
         const uint32_t *qr[QB];
+        float qw[QB][D] __attribute__((aligned(64)));
         __m512 top[QB];
         for (int r = 0; r < qb; r++) { /* a short last block repeats its last query */
             qr[r] = (const uint32_t *)qm[m0 + (r < rows ? r : rows - 1)];
             top[r] = masked;
+#ifndef __AVX512BF16__
+            for (int c = 0; c < 4; c++) _mm512_store_ps(qw[r] + 16 * c, load_bf16((const uint16_t *)qr[r] + 16 * c, 0xffff));
+#endif
         }
-        for (long j = 0; j < blocks; j++) {
-            long left = n - j * 16;
-            __mmask16 inside = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1), live[QB];
-            int any = 0;
-            for (int r = 0; r < rows; r++) {
-                live[r] = inside;
-                if (seen) {
-                    const uint8_t *row = seen[m0 + r] + j * 16;
-                    __m128i bytes = left >= 16 ? _mm_loadu_si128((const __m128i *)row) : _mm_maskz_loadu_epi8(inside, row);
-                    live[r] &= _mm_test_epi8_mask(bytes, bytes);
+        for (long j = 0; j < blocks; j += 2) {
+            long count = j + 1 < blocks ? 2 : 1;
+            __mmask16 live[2][QB];
+            int any[2] = {0, 0};
+            for (int b = 0; b < count; b++) {
+                any[b] = block_live(seen, m0, rows, n, j + b, live[b]);
+                if (!any[b]) /* a block none of these queries sees (a causal row's later keys, padding) */
+                    for (int r = 0; r < rows; r++) _mm512_store_ps(scores + (m0 + r) * width + (j + b) * 16, masked);
+            }
+            __m512 acc[2][QB];
+            const uint32_t *kb[2] = {kp + j * 512, kp + (j + 1) * 512};
+            if (any[0] && any[1])
+                block_products(kb, qr, qw, qb, 2, acc);
+            else if (any[0] || any[1]) {
+                kb[0] = kb[any[1]];
+                block_products(kb, qr, qw, qb, 1, acc);
+            }
+            for (int b = 0; b < count; b++) {
+                if (!any[b]) continue;
+                long jb = j + b;
+                const __m512 *sums = acc[any[0] && any[1] ? b : 0];
+                if (span) {
+                    if (jb < span[0]) span[0] = jb;
+                    if (jb + 1 > span[1]) span[1] = jb + 1;
                 }
-                any |= live[r];
-            }
-            if (!any) { /* a block none of these queries sees (a causal row's later keys, padding) */
-                for (int r = 0; r < rows; r++) _mm512_store_ps(scores + (m0 + r) * width + j * 16, masked);
-                continue;
-            }
-            if (span) {
-                if (j < span[0]) span[0] = j;
-                if (j + 1 > span[1]) span[1] = j + 1;
-            }
-            __m512 acc[QB];
-            for (int r = 0; r < qb; r++) acc[r] = _mm512_setzero_ps();
-            const uint32_t *kj = kp + j * 512;
-            for (int i = 0; i < 32; i++) {
-                __m512bh kv = (__m512bh)_mm512_load_si512(kj + i * 16);
-                for (int r = 0; r < qb; r++)
-                    acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32((int)qr[r][i]), kv);
-            }
-            for (int r = 0; r < rows; r++) {
-                __m512 x = _mm512_mask_mul_ps(masked, live[r], acc[r], scaled);
-                top[r] = _mm512_max_ps(top[r], x);
-                _mm512_store_ps(scores + (m0 + r) * width + j * 16, x);
+                for (int r = 0; r < rows; r++) {
+                    __m512 x = _mm512_mask_mul_ps(masked, live[b][r], sums[r], scaled);
+                    top[r] = _mm512_max_ps(top[r], x);
+                    _mm512_store_ps(scores + (m0 + r) * width + jb * 16, x);
+                }
             }
         }
         for (int r = 0; r < rows; r++) {
