@@ -109,7 +109,7 @@ void attention_backward(const uint16_t *q, const uint16_t *k, const uint16_t *v,
                         float *dq, float *dk, float *dv, long B, long H, long M, long S, long qlen,
                         float scale, uint32_t *work, int threads) {
     plan_t pl = plan(M, S);
-    long units = B * H, blocks = pl.blocks, sp = pl.sp, qblocks = pl.qblocks, half = pl.half, qc = pl.qc, kblocks = sp / BK;
+    long units = B * H, blocks = pl.blocks, sp = pl.sp, qblocks = pl.qblocks, qc = pl.qc, kblocks = sp / BK;
 #define KP(n) (work + (n) * pl.unit)
 #define VP(n) (KP(n) + pl.vp)
 #define KI(n) (KP(n) + pl.ki)

@@ -359,60 +359,73 @@ _SOURCE = (
     + r"""
 /* out[b, h, m, :] = softmax over the visible s of (q[b, h, m] . k[b, h, s]) * scale, times v;
    lse[b, h, m] = log of that softmax's denominator (-inf, and out 0, where no key is visible).
-   Query m reads visibility row m % qlen. Strides in elements; the last dimension is contiguous. */
-void own_attention(const uint16_t *q, const uint16_t *k, const uint16_t *v, const uint8_t *visible,
-                   float *out, float *lse, long B, long H, long M, long S, long qlen,
-                   long qsb, long qsh, long qsm, long ksb, long ksh, long kss,
-                   long vsb, long vsh, long vss, long isb, long isq, long iss,
-                   float scale, int threads) {
-#pragma omp parallel for collapse(2) schedule(static) num_threads(threads)
-    for (long b = 0; b < B; b++) {
-        for (long h = 0; h < H; h++) {
-            long width = (S + 15) & ~15L;
-            float *scores = aligned64(sizeof(float) * M * width);
-            const uint16_t *qm[16];
-            const uint8_t *seen[16];
-            float peak[16], total[16], row[D];
-            for (long m = 0; m < M; m++) {
-                qm[m] = q + b * qsb + h * qsh + m * qsm;
-                seen[m] = visible + b * isb + (m % qlen) * isq;
-                peak[m] = MASKED;
-                total[m] = 0.0f;
+   Query m reads visibility row m % qlen. Strides in elements; the last dimension is contiguous.
+   Answers 0, or -1 with nothing written where there is no memory for its scratch. */
+int own_attention(const uint16_t *q, const uint16_t *k, const uint16_t *v, const uint8_t *visible,
+                  float *out, float *lse, long B, long H, long M, long S, long qlen,
+                  long qsb, long qsh, long qsm, long ksb, long ksh, long kss,
+                  long vsb, long vsh, long vss, long isb, long isq, long iss,
+                  float scale, int threads) {
+    long width = (S + 15) & ~15L;
+    size_t bytes = sizeof(float) * M * width;
+    char *scratch = thread_scratch(threads, bytes);
+    if (!scratch) return -1;
+#pragma omp parallel num_threads(threads)
+    {
+        float *scores = own_slice(scratch, bytes);
+#pragma omp for collapse(2) schedule(static)
+        for (long b = 0; b < B; b++) {
+            for (long h = 0; h < H; h++) {
+                const uint16_t *qm[16];
+                const uint8_t *seen[16];
+                float peak[16], total[16], row[D];
+                for (long m = 0; m < M; m++) {
+                    qm[m] = q + b * qsb + h * qsh + m * qsm;
+                    seen[m] = visible + b * isb + (m % qlen) * isq;
+                    peak[m] = MASKED;
+                    total[m] = 0.0f;
+                }
+                score_each(k + b * ksb + h * ksh, S, kss, qm, seen, iss, M, scale, scores, width, peak);
+                weigh(scores, width, M, peak, total);
+                __m512 acc[16][4];
+                for (long m = 0; m < M; m++)
+                    for (int c = 0; c < 4; c++) acc[m][c] = _mm512_setzero_ps();
+                add_pairs(v + b * vsb + h * vsh, S, vss, scores, width, M, acc);
+                for (long m = 0; m < M; m++) {
+                    lse[(b * H + h) * M + m] = peak[m] == MASKED ? -INFINITY : peak[m] + logf(total[m]);
+                    __m512 inv = _mm512_set1_ps(peak[m] == MASKED ? 0.0f : 1.0f / total[m]);
+                    interleave(acc[m], row);
+                    for (int c = 0; c < 4; c++) _mm512_storeu_ps(out + ((b * H + h) * M + m) * D + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(row + 16 * c), inv));
+                }
             }
-            score_each(k + b * ksb + h * ksh, S, kss, qm, seen, iss, M, scale, scores, width, peak);
-            weigh(scores, width, M, peak, total);
-            __m512 acc[16][4];
-            for (long m = 0; m < M; m++)
-                for (int c = 0; c < 4; c++) acc[m][c] = _mm512_setzero_ps();
-            add_pairs(v + b * vsb + h * vsh, S, vss, scores, width, M, acc);
-            for (long m = 0; m < M; m++) {
-                lse[(b * H + h) * M + m] = peak[m] == MASKED ? -INFINITY : peak[m] + logf(total[m]);
-                __m512 inv = _mm512_set1_ps(peak[m] == MASKED ? 0.0f : 1.0f / total[m]);
-                interleave(acc[m], row);
-                for (int c = 0; c < 4; c++) _mm512_storeu_ps(out + ((b * H + h) * M + m) * D + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(row + 16 * c), inv));
-            }
-            free(scores);
         }
     }
+    free(scratch);
+    return 0;
 }
 
 /* The same attention for many queries per (row, head): a prefill's, or every row's queries
    against a shared prefix (ksb = vsb = isb = 0: one copy of the keys for every row; visible may be
    NULL, every key seen). A thread packs its (row, head)'s keys sixteen to a vector (`pack_keys`),
    each packed vector serving a block of QB queries; the values are widened to fp32 once, and the
-   softmax weights stay fp32. Visibility rows must be contiguous (iss = 1). */
+   softmax weights stay fp32. Visibility rows must be contiguous (iss = 1). Answers 0, or -1
+   with nothing written where there is no memory for its scratch. */
 #define PB 4
-void block_attention(const uint16_t *q, const uint16_t *k, const uint16_t *v, const uint8_t *visible,
-                     float *out, float *lse, long B, long H, long M, long S, long qlen,
-                     long qsb, long qsh, long qsm, long ksb, long ksh, long kss,
-                     long vsb, long vsh, long vss, long isb, long isq,
-                     float scale, int threads) {
+int block_attention(const uint16_t *q, const uint16_t *k, const uint16_t *v, const uint8_t *visible,
+                    float *out, float *lse, long B, long H, long M, long S, long qlen,
+                    long qsb, long qsh, long qsm, long ksb, long ksh, long kss,
+                    long vsb, long vsh, long vss, long isb, long isq,
+                    float scale, int threads) {
     long blocks = (S + 15) / 16, width = blocks * 16, qblocks = (M + QB - 1) / QB;
+    size_t kbytes = slice64(sizeof(uint32_t) * blocks * 32 * 16), vbytes = slice64(sizeof(float) * width * D);
+    size_t bytes = kbytes + vbytes + sizeof(float) * QB * width; /* packed keys, widened values, scores */
+    char *scratch = thread_scratch(threads, bytes);
+    if (!scratch) return -1;
 #pragma omp parallel num_threads(threads)
     {
-        uint32_t *kp = aligned64(sizeof(uint32_t) * blocks * 32 * 16);
-        float *vf = aligned64(sizeof(float) * width * D);
-        float *scores = aligned64(sizeof(float) * QB * width);
+        char *mine = own_slice(scratch, bytes);
+        uint32_t *kp = (uint32_t *)mine;
+        float *vf = (float *)(mine + kbytes), *scores = (float *)(mine + kbytes + vbytes);
         const uint16_t *packed_k = NULL, *packed_v = NULL;
 #pragma omp for schedule(static)
         for (long item = 0; item < B * H * qblocks; item++) {
@@ -462,10 +475,9 @@ void block_attention(const uint16_t *q, const uint16_t *k, const uint16_t *v, co
                 }
             }
         }
-        free(kp);
-        free(vf);
-        free(scores);
     }
+    free(scratch);
+    return 0;
 }
 """
 )
@@ -477,9 +489,9 @@ def _library() -> ctypes.CDLL | None:
     lib = compiled(_SOURCE, "own_attention")
     if lib is None:
         return None
-    lib.own_attention.restype = None
+    lib.own_attention.restype = ctypes.c_int
     lib.own_attention.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_long] * 17 + [ctypes.c_float, ctypes.c_int]
-    lib.block_attention.restype = None
+    lib.block_attention.restype = ctypes.c_int
     lib.block_attention.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_long] * 16 + [ctypes.c_float, ctypes.c_int]
     return lib
 
@@ -513,7 +525,8 @@ def own_attention(query: Tensor, key: Tensor, value: Tensor, visible: Tensor, sc
     ((B, q, S) bool; query m reads row m % q) allows: (B, H_kv, M, D) fp32 outputs and (B, H_kv, M)
     fp32 log-sum-exps of the scaled scores (-inf, and output 0, for a query that sees no key).
     None where the kernel does not apply (another dtype, device or head size, a prefill's many
-    queries, gradients wanted, no kernel here): the caller runs its own path."""
+    queries, gradients wanted, no kernel here, no memory for its scratch): the caller runs its
+    own path."""
     batch, heads, queries, dim = query.shape
     if not _takes(query, key, value, visible) or queries > MAX_QUERIES or key.shape[0] != batch:
         return None
@@ -523,20 +536,21 @@ def own_attention(query: Tensor, key: Tensor, value: Tensor, visible: Tensor, sc
     seen = visible.to(torch.uint8)
     out = torch.empty((batch, heads, queries, dim), dtype=torch.float32)
     lse = torch.empty((batch, heads, queries), dtype=torch.float32)
-    lib.own_attention(
+    failed = lib.own_attention(
         query.data_ptr(), key.data_ptr(), value.data_ptr(), seen.data_ptr(), out.data_ptr(), lse.data_ptr(),
         batch, heads, queries, key.shape[2], visible.shape[1],
         *query.stride()[:3], *key.stride()[:3], *value.stride()[:3], *seen.stride(),
         scale, torch.get_num_threads(),
     )  # fmt: skip
-    return out, lse
+    return None if failed else (out, lse)
 
 
 def block_attention(query: Tensor, key: Tensor, value: Tensor, visible: Tensor | None, scale: float) -> tuple[Tensor, Tensor] | None:
     """`own_attention` for any number of queries: (B, H_kv, M, D) bf16 queries over (B, H_kv, S,
     D) bf16 keys and values, or (1, H_kv, S, D) ones that every row reads (a shared prefix),
     where `visible` ((B, q, S) bool, query m reading row m % q; None: every key) allows. The
-    same outputs, exact to fp32 rounding against fp64; None where the kernel does not apply."""
+    same outputs, exact to fp32 rounding against fp64; None where the kernel does not apply or
+    has no memory for its scratch."""
     batch, heads, queries, dim = query.shape
     if not _takes(query, key, value, visible) or queries == 0 or key.shape[0] not in (1, batch):
         return None
@@ -547,11 +561,11 @@ def block_attention(query: Tensor, key: Tensor, value: Tensor, visible: Tensor |
     seen = visible.to(torch.uint8).contiguous() if visible is not None else None
     out = torch.empty((batch, heads, queries, dim), dtype=torch.float32)
     lse = torch.empty((batch, heads, queries), dtype=torch.float32)
-    lib.block_attention(
+    failed = lib.block_attention(
         query.data_ptr(), key.data_ptr(), value.data_ptr(), None if seen is None else seen.data_ptr(), out.data_ptr(), lse.data_ptr(),
         batch, heads, queries, key.shape[2], 1 if seen is None else seen.shape[1],
         *query.stride()[:3], 0 if shared else key.stride(0), *key.stride()[1:3], 0 if shared else value.stride(0), *value.stride()[1:3],
         0 if seen is None else seen.stride(0), 0 if seen is None else seen.stride(1),
         scale, torch.get_num_threads(),
     )  # fmt: skip
-    return out, lse
+    return None if failed else (out, lse)

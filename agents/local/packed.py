@@ -202,12 +202,16 @@ static void pair_rows(const uint16_t *x, const uint32_t *w, const float *bias, u
 }
 
 static void pair_wide(const uint16_t *x, const uint32_t *w, const float *bias, uint16_t *y, long M, long K, long N, int threads) {
+    long blocks = N / 16, groups = (blocks + CB - 1) / CB, pairs = K / 2, tiles = (M + WR - 1) / WR;
+    size_t bytes = sizeof(float) * pairs * 2 * CB * 16; /* a thread's panel */
     float *xw = aligned64(sizeof(float) * (M * K + 16));
-    if (!xw) { /* no room for the widened rows: the pair loop needs none */
+    char *panels = thread_scratch(threads, bytes);
+    if (!xw || !panels) { /* no room for the widened rows or panels: the pair loop needs neither */
+        free(xw);
+        free(panels);
         pair_dot(x, w, bias, y, M, K, N, threads);
         return;
     }
-    long blocks = N / 16, groups = (blocks + CB - 1) / CB, pairs = K / 2, tiles = (M + WR - 1) / WR;
     long chunks = (16 * threads + groups - 1) / groups; /* row chunks a group: enough tasks to share evenly */
     if (chunks > tiles) chunks = tiles;
     long per = (tiles + chunks - 1) / chunks * WR; /* rows a chunk */
@@ -217,7 +221,7 @@ static void pair_wide(const uint16_t *x, const uint32_t *w, const float *bias, u
 #pragma omp for schedule(static)
         for (long r = 0; r < M; r++)
             for (long k = 0; k < K; k += 16) _mm512_mask_storeu_ps(xw + r * K + k, lanes(K - k), load_bf16(x + r * K + k, lanes(K - k)));
-        float *panel = aligned64(sizeof(float) * pairs * 2 * CB * 16);
+        float *panel = own_slice(panels, bytes);
         long held = -1; /* the group whose weights the panel holds */
 #pragma omp for collapse(2) schedule(static)
         for (long g = 0; g < groups; g++)
@@ -252,8 +256,8 @@ static void pair_wide(const uint16_t *x, const uint32_t *w, const float *bias, u
                     STORE_ROWS(acc, rows, cb, bias, b0, y, r0, N);
                 }
             }
-        free(panel);
     }
+    free(panels);
     free(xw);
 }
 

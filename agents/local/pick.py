@@ -28,13 +28,17 @@ _SOURCE = (
     + r"""
 /* Row r of (rows, V) bf16 logits x (rows stride apart): with w_v = exp((x_v - max) inv_t),
    ids[r] = the first argmax if u is NULL, else the first v where w_0 + ... + w_v > u[r] * sum w;
-   logp[r] = (x_id - max) inv_t - log(sum w). */
-void pick_rows(const uint16_t *x, long rows, long V, long stride, float inv_t, const double *u,
-               int64_t *ids, float *logp, int threads) {
+   logp[r] = (x_id - max) inv_t - log(sum w). Answers 0, or -1 with nothing written where there
+   is no memory for its scratch. */
+int pick_rows(const uint16_t *x, long rows, long V, long stride, float inv_t, const double *u,
+              int64_t *ids, float *logp, int threads) {
     long blocks = (V + 15) / 16;
+    size_t bytes = sizeof(float) * blocks; /* a thread's block sums */
+    char *scratch = thread_scratch(threads, bytes);
+    if (!scratch) return -1;
 #pragma omp parallel num_threads(threads) if (rows > 1)
     {
-        float *sums = malloc(sizeof(float) * blocks);
+        float *sums = own_slice(scratch, bytes);
 #pragma omp for schedule(static)
         for (long r = 0; r < rows; r++) {
             const uint16_t *row = x + r * stride;
@@ -76,8 +80,9 @@ void pick_rows(const uint16_t *x, long rows, long V, long stride, float inv_t, c
             ids[r] = id;
             logp[r] = (bf16_value(row[id]) - high) * inv_t - (float)log(total);
         }
-        free(sums);
     }
+    free(scratch);
+    return 0;
 }
 """
 )
@@ -88,7 +93,7 @@ def _library() -> ctypes.CDLL | None:
     lib = compiled(_SOURCE, "pick")
     if lib is None:
         return None
-    lib.pick_rows.restype = None
+    lib.pick_rows.restype = ctypes.c_int
     lib.pick_rows.argtypes = [
         ctypes.c_void_p,
         ctypes.c_long,
@@ -106,7 +111,8 @@ def _library() -> ctypes.CDLL | None:
 def pick_rows(logits: Tensor, temperature: float, generator: torch.Generator | None) -> tuple[Tensor, Tensor] | None:
     """(b, V) bf16 logits -> each row's id (b,) and its log-prob (b,): the argmax with
     temperature 0, else a draw from `softmax(logits / temperature)` with one uniform per row from
-    `generator`. None where the kernel does not run (another dtype or device, no kernel here)."""
+    `generator`. None where the kernel does not run (another dtype or device, no kernel here, no
+    memory for its scratch: the generator has then drawn its uniforms all the same)."""
     if not (
         enabled() and logits.dtype == torch.bfloat16 and logits.device.type == "cpu" and logits.dim() == 2 and logits.stride(-1) == 1 and logits.shape[1] > 0
     ):
@@ -119,7 +125,7 @@ def pick_rows(logits: Tensor, temperature: float, generator: torch.Generator | N
     ids = torch.empty(rows, dtype=torch.long)
     logp = torch.empty(rows, dtype=torch.float32)
     inv_t = 1.0 if temperature == 0 else 1.0 / temperature
-    lib.pick_rows(
+    failed = lib.pick_rows(
         logits.data_ptr(),
         rows,
         vocab,
@@ -130,4 +136,4 @@ def pick_rows(logits: Tensor, temperature: float, generator: torch.Generator | N
         logp.data_ptr(),
         torch.get_num_threads(),
     )
-    return ids, logp
+    return None if failed else (ids, logp)

@@ -50,19 +50,25 @@ void pack_prefix(const uint16_t *k, const uint16_t *v, uint32_t *kp, float *vf, 
    even. Query head h * G + j of row b at step t is q + b * qsb + (h * G + j) * qsh + t * qst.
    M = G * T <= 16 queries per (row, kv head): up to `few` scored one key at a time, more
    against the row's own keys packed as the prefix's are (then iss must be 1). P may be 0; a
-   query that then sees no key gets 0. */
-void step_attention(const uint16_t *q, const uint32_t *kp, const float *vf, const uint16_t *k, const uint16_t *v,
-                    const uint8_t *visible, uint16_t *out, long B, long H, long G, long T, long P, long S,
+   query that then sees no key gets 0. Answers 0, or -1 with nothing written where there is no
+   memory for its scratch. */
+int step_attention(const uint16_t *q, const uint32_t *kp, const float *vf, const uint16_t *k, const uint16_t *v,
+                   const uint8_t *visible, uint16_t *out, long B, long H, long G, long T, long P, long S,
                     long qsb, long qsh, long qst, long ksb, long ksh, long kss, long vsb, long vsh, long vss,
                     long isb, long ist, long iss, long osb, long ost, long osh, long few, float scale, int threads) {
     long M = G * T, blocks = (P + 15) / 16, pwidth = blocks * 16, owidth = (S + 15) & ~15L;
     int packed = M > few;
+    /* scores (prefix, then own keys), and where M > few the own keys packed and values widened */
+    size_t sbytes = slice64(sizeof(float) * (M * pwidth + M * owidth + 16)), kbytes = packed ? slice64(sizeof(uint32_t) * (owidth / 16 + 1) * 512) : 0;
+    size_t bytes = sbytes + kbytes + (packed ? sizeof(float) * (owidth + 16) * D : 0);
+    char *scratch = thread_scratch(threads, bytes);
+    if (!scratch) return -1;
 #pragma omp parallel num_threads(threads)
     {
-        float *sp = aligned64(sizeof(float) * (M * pwidth + M * owidth + 16));
-        float *so = sp + M * pwidth;
-        uint32_t *own_kp = packed ? aligned64(sizeof(uint32_t) * (owidth / 16 + 1) * 512) : NULL;
-        float *own_vf = packed ? aligned64(sizeof(float) * (owidth + 16) * D) : NULL;
+        char *mine = own_slice(scratch, bytes);
+        float *sp = (float *)mine, *so = sp + M * pwidth;
+        uint32_t *own_kp = packed ? (uint32_t *)(mine + sbytes) : NULL;
+        float *own_vf = packed ? (float *)(mine + sbytes + kbytes) : NULL;
 #pragma omp for collapse(2) schedule(static)
         for (long b = 0; b < B; b++) {
             for (long h = 0; h < H; h++) {
@@ -108,10 +114,9 @@ void step_attention(const uint16_t *q, const uint32_t *kp, const float *vf, cons
                 }
             }
         }
-        free(sp);
-        free(own_kp);
-        free(own_vf);
     }
+    free(scratch);
+    return 0;
 }
 """
 )
@@ -133,7 +138,7 @@ def _library() -> ctypes.CDLL | None:
         return None
     lib.pack_prefix.restype = None
     lib.pack_prefix.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 6
-    lib.step_attention.restype = None
+    lib.step_attention.restype = ctypes.c_int
     lib.step_attention.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_long] * 22 + [ctypes.c_float, ctypes.c_int]
     return lib
 
@@ -170,7 +175,7 @@ def step_attention(query: Tensor, prefix: PackedPrefix | None, key: Tensor, valu
     it; None: no prefix) and (B, H_kv, S, D) bf16 own keys and values where `visible` ((B, T, S)
     bool) allows: (B, T, H, D) bf16 out. None where the kernel does not apply (more than
     `MAX_QUERIES` queries per row and kv head, another dtype or head size, gradients wanted, no
-    kernel here): the caller runs `split_attention`."""
+    kernel here, no memory for its scratch): the caller runs `split_attention`."""
     batch, heads, steps, dim = query.shape
     kv_heads = key.shape[1]
     if not (
@@ -194,7 +199,7 @@ def step_attention(query: Tensor, prefix: PackedPrefix | None, key: Tensor, valu
     if lib is None:
         return None
     out = torch.empty((batch, steps, heads, dim), dtype=torch.bfloat16)
-    lib.step_attention(
+    failed = lib.step_attention(
         query.data_ptr(), None if prefix is None else prefix.keys.data_ptr(), None if prefix is None else prefix.values.data_ptr(),
         key.data_ptr(), value.data_ptr(), visible.data_ptr(), out.data_ptr(),
         batch, kv_heads, heads // kv_heads, steps, 0 if prefix is None else prefix.length, key.shape[2],
@@ -202,4 +207,4 @@ def step_attention(query: Tensor, prefix: PackedPrefix | None, key: Tensor, valu
         *visible.stride(), out.stride(0), out.stride(1), out.stride(2), FEW_QUERIES,
         scale, torch.get_num_threads(),
     )  # fmt: skip
-    return out
+    return None if failed else out
