@@ -24,11 +24,13 @@ On a CPU without AVX512-BF16 each pair's two products are two FMAs on widened op
 same order, so every path below gives the same bits. From 3 rows on, the call's rows are widened
 once into fp32 and each pair's weights in registers (`pair_rows`), so the FMAs read row values
 from memory and only the weights are unpacked: a median 1.07 times the pair loop's speed on
-SmolLM2's layers at 1-40 rows (0.92-1.19), and as fast or faster than the panel below up to 224
-rows. From 256 rows on, a group's weights are widened once into an fp32 panel that every row
-tile reads, and the rows into fp32, 1,024 at a time (`pair_wide`): 1.01-1.10 times `pair_rows`
-at 256-1,024 rows (2-core Ice Lake, alternated, ad hoc `rows_ab.py` and `rw_ab.py`; the panel
-was ~195 against the pair loop's ~170 GFLOP/s, where PyTorch's fp32 products ran at ~215).
+SmolLM2's layers at 1-40 rows (0.92-1.19), and as fast or faster than the panel below up to 64
+rows. From 96 rows on, a group's weights are widened once into an fp32 panel that every row
+tile reads, and the rows into fp32, 1,024 at a time (`pair_wide`), each pair's two inputs
+swapped so that the tile is a plain product loop: 1.03-1.13 times `pair_rows` at 100-240 rows,
+and 1.0-1.3 times the panel before the swap at 256-1,024 (2-core Ice Lake, alternated, ad hoc
+`rows_ab.py`, `rw_ab.py`, `cross_ab.py` and `packed_ab.py`; the panel ran at 200-310 GFLOP/s
+as the host's speed went, where PyTorch's fp32 products ran at ~200-230).
 
 Only for inference (the packed ops have no backward) and only where `packable` says the CPU and
 the dtype take it; `tests/agents/local/test_packed.py` holds the results to `F.linear`'s.
@@ -122,29 +124,40 @@ void pair_linear(const uint16_t *x, const uint32_t *w, const float *bias, uint16
 /* Without the instruction, each pair's two products are two FMAs on widened operands. Where a
    group's weights serve many rows, they are widened once into a panel (per pair, the odd inputs'
    sixteen weights of each block, then the even inputs'), the rows once into fp32, and the tiles
-   run FMAs alone: the same products added in the same order, so the same bits as `pair_dot`. */
+   run FMAs alone: the same products added in the same order, so the same bits as `pair_dot`.
+   The rows are widened with each pair's two inputs swapped, the odd one first as the
+   instruction sums them, so that panel row s meets row element s: the tile is then a plain
+   fp32 product loop (1.2-1.35x the loop that picked each pair's inputs apart, 2-core Ice Lake). */
 #define WR 6 /* rows a tile: 24 accumulators, 4 weight vectors, a broadcast row value */
-#define WIDE_ROWS 256 /* fewer: `pair_rows` was as fast or faster (ad hoc `rw_ab.py`: 0.71-1.02x at 24-224 rows, 1.01-1.10x at 256-1,024) */
+#define WIDE_ROWS 96 /* fewer: `pair_rows` was as fast or faster (ad hoc `cross_ab.py`: the panel 0.83-0.97x at 16-32 rows, 0.96-1.05x at 48-80, 1.03-1.13x at 100-240) */
 #define FEW_ROWS 3 /* fewer: the pair loop, which widens nothing, was as fast or faster than `pair_rows` (ad hoc `rows_ab.py`) */
 
-static inline __attribute__((always_inline)) void wide_tile(const float *xw, long K, const float *panel, long pairs, int R, int C,
+/* R rows widened and swapped (`widen_swapped`) times a panel of 2 pairs rows of C blocks */
+static inline __attribute__((always_inline)) void wide_tile(const float *xs, long K, const float *panel, long pairs, int R, int C,
                                                             __m512 acc[WR][CB]) {
-    for (long i = 0; i < pairs; i++)
-        for (int half = 0; half < 2; half++) { /* the odd input first, as the instruction sums */
-            const float *p = panel + (2 * i + half) * CB * 16;
-            __m512 wv[CB];
+    for (long s = 0; s < 2 * pairs; s++) {
+        const float *p = panel + s * CB * 16;
+        __m512 wv[CB];
 #pragma GCC unroll 4
-            for (int c = 0; c < C; c++) wv[c] = _mm512_load_ps(p + c * 16);
+        for (int c = 0; c < C; c++) wv[c] = _mm512_load_ps(p + c * 16);
 #pragma GCC unroll 6
-            for (int r = 0; r < R; r++) {
-                __m512 xv = _mm512_set1_ps(xw[r * K + 2 * i + 1 - half]);
+        for (int r = 0; r < R; r++) {
+            __m512 xv = _mm512_set1_ps(xs[r * K + s]);
 #pragma GCC unroll 4
-                for (int c = 0; c < C; c++) acc[r][c] = _mm512_fmadd_ps(xv, wv[c], acc[r][c]);
-            }
+            for (int c = 0; c < C; c++) acc[r][c] = _mm512_fmadd_ps(xv, wv[c], acc[r][c]);
         }
+    }
 }
 
-/* FEW_ROWS to WIDE_ROWS - 1 rows: the rows widened once into fp32 (M K values, cheap) and each
+/* M rows of K bf16 into fp32, each pair of inputs swapped (2i + 1 at 2i, 2i at 2i + 1) */
+static void widen_swapped(const uint16_t *x, long M, long K, float *xs) {
+#pragma omp for schedule(static)
+    for (long r = 0; r < M; r++)
+        for (long k = 0; k < K; k += 16)
+            _mm512_mask_storeu_ps(xs + r * K + k, lanes(K - k), _mm512_permute_ps(load_bf16(x + r * K + k, lanes(K - k)), 0xB1));
+}
+
+/* FEW_ROWS to WIDE_ROWS - 1 rows: the rows widened once into fp32 (`widen_swapped`, M K values, cheap) and each
    pair's weights widened in registers as the loop reaches them. A tile's FMAs then take their
    row values from memory, and the only unpacking left is the weights' (8 operations to 40 FMAs;
    the pair loop also splits each row's pair, 18 to 40): the same products in the same order. */
@@ -160,7 +173,7 @@ static inline __attribute__((always_inline)) void row_tile(const float *xw, long
         }
 #pragma GCC unroll 5
         for (int r = 0; r < R; r++) {
-            __m512 xo = _mm512_set1_ps(xw[r * K + 2 * i + 1]), xe = _mm512_set1_ps(xw[r * K + 2 * i]);
+            __m512 xo = _mm512_set1_ps(xw[r * K + 2 * i]), xe = _mm512_set1_ps(xw[r * K + 2 * i + 1]); /* swapped */
 #pragma GCC unroll 4
             for (int c = 0; c < C; c++) acc[r][c] = _mm512_fmadd_ps(xe, even[c], _mm512_fmadd_ps(xo, odd[c], acc[r][c]));
         }
@@ -173,9 +186,8 @@ static void pair_rows(const uint16_t *x, const uint32_t *w, const float *bias, u
         pair_dot(x, w, bias, y, M, K, N, threads);
         return;
     }
-#pragma omp parallel for num_threads(threads) schedule(static) if (M * K >= 65536)
-    for (long r = 0; r < M; r++)
-        for (long k = 0; k < K; k += 16) _mm512_mask_storeu_ps(xw + r * K + k, lanes(K - k), load_bf16(x + r * K + k, lanes(K - k)));
+#pragma omp parallel num_threads(threads) if (M * K >= 65536)
+    widen_swapped(x, M, K, xw);
     long blocks = N / 16, groups = (blocks + CB - 1) / CB, pairs = K / 2, tiles = (M + RB - 1) / RB;
 #pragma omp parallel for collapse(2) num_threads(threads) schedule(static)
     for (long g = 0; g < groups; g++) {
@@ -218,9 +230,7 @@ static void pair_wide(const uint16_t *x, const uint32_t *w, const float *bias, u
     chunks = (M + per - 1) / per;
 #pragma omp parallel num_threads(threads)
     {
-#pragma omp for schedule(static)
-        for (long r = 0; r < M; r++)
-            for (long k = 0; k < K; k += 16) _mm512_mask_storeu_ps(xw + r * K + k, lanes(K - k), load_bf16(x + r * K + k, lanes(K - k)));
+        widen_swapped(x, M, K, xw);
         float *panel = own_slice(panels, bytes);
         long held = -1; /* the group whose weights the panel holds */
 #pragma omp for collapse(2) schedule(static)

@@ -117,7 +117,7 @@ def test_the_pair_kernel_rounds_the_exact_sum_once(rows: int, bias: bool) -> Non
 @pytest.mark.skipif(not _kernels_run(), reason="this project's C kernels do not run here")
 def test_the_pair_kernel_gives_a_row_the_same_bits_in_any_batch() -> None:
     """Tiles of five rows, a short last tile of its own rows, rows widened from 3 rows and the
-    widened panel from 256 (1,024 at a time): a row's output does not depend on which rows share
+    widened panel from 96 (1,024 at a time): a row's output does not depend on which rows share
     its call."""
     torch.manual_seed(3)
     linear = nn.Linear(250, 1040).to(torch.bfloat16)
