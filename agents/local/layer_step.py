@@ -36,7 +36,7 @@ typedef void (*norm_fn)(const uint16_t *, const uint16_t *, uint16_t *, long, lo
 typedef void (*linear_fn)(const uint16_t *, const uint32_t *, const float *, uint16_t *, long, long, long, int);
 typedef void (*rotate_fn)(uint16_t *, const uint16_t *, const uint16_t *, long, long, long, long, int);
 typedef void (*gated_fn)(const uint16_t *, uint16_t *, long, long, int);
-typedef void (*attention_fn)(const uint16_t *, const uint32_t *, const float *, const uint16_t *, const uint16_t *, const uint8_t *,
+typedef int (*attention_fn)(const uint16_t *, const uint32_t *, const float *, const uint16_t *, const uint16_t *, const uint8_t *,
                              uint16_t *, long, long, long, long, long, long, long, long, long, long, long, long, long, long, long,
                              long, long, long, long, long, long, long, float, int);
 
@@ -69,8 +69,10 @@ static void add_rounded(uint16_t *h, const uint16_t *x, long count) {
 /* out (B x T rows of `hidden`) = the layer applied to h, for T new ids a row at cache columns
    [length, length + T) of ck / cv (B, kv heads, capacity, D; strides given), which this writes;
    `visible` (B, T, length + T) says which of a row's own keys each query sees. `scratch` holds
-   B T (3 hidden + (heads + 2 kv heads) D + heads D + 3 inter) bf16. */
-static void layer_step(const Plan *p, const uint16_t *h, uint16_t *out, long B, long T, const uint16_t *cos, const uint16_t *sin,
+   B T (3 hidden + (heads + 2 kv heads) D + heads D + 3 inter) bf16. Answers 0, or -1 where the
+   attention found no memory for its scratch: then out is not the layer's, and the cache's
+   columns past `length` hold this step's keys and values only up to this layer. */
+static int layer_step(const Plan *p, const uint16_t *h, uint16_t *out, long B, long T, const uint16_t *cos, const uint16_t *sin,
                 uint16_t *ck, uint16_t *cv, long ksb, long ksh, long kss, long vsb, long vsh, long vss, long length,
                 const uint8_t *visible, long isb, long ist, long iss, long few, uint16_t *scratch, int threads) {
     long R = B * T, E = p->hidden, D = p->head_dim, H = p->heads, Hk = p->kv_heads, I = p->inter;
@@ -88,8 +90,9 @@ static void layer_step(const Plan *p, const uint16_t *h, uint16_t *out, long B, 
                 memcpy(ck + b * ksb + j * ksh + (length + t) * kss, row + (H + j) * D, sizeof(uint16_t) * D);
                 memcpy(cv + b * vsb + j * vsh + (length + t) * vss, row + (H + Hk + j) * D, sizeof(uint16_t) * D);
             }
-    p->attention(qkv, p->prefix_keys, p->prefix_values, ck, cv, visible, att, B, Hk, H / Hk, T, p->prefix_length, length + T,
-                 T * W, D, W, ksb, ksh, kss, vsb, vsh, vss, isb, ist, iss, T * H * D, H * D, D, few, p->scale, threads);
+    if (p->attention(qkv, p->prefix_keys, p->prefix_values, ck, cv, visible, att, B, Hk, H / Hk, T, p->prefix_length, length + T,
+                     T * W, D, W, ksb, ksh, kss, vsb, vsh, vss, isb, ist, iss, T * H * D, H * D, D, few, p->scale, threads))
+        return -1;
     p->linear(att, p->o, p->o_bias, o, R, H * D, E, threads);
     add_rounded(out, o, R * E);
     p->norm(out, p->norm2, normed, R, E, p->eps2, threads);
@@ -97,16 +100,20 @@ static void layer_step(const Plan *p, const uint16_t *h, uint16_t *out, long B, 
     p->gated(gu, g, R, I, threads);
     p->linear(g, p->down, p->down_bias, down, R, I, E, threads);
     add_rounded(out, down, R * E);
+    return 0;
 }
 
 /* n layers in turn (`plans`), each over its own cache buffers ck[l], cv[l] (the same strides and
-   length in every layer), the first reading h and every one writing out */
-void stack_step(const Plan *const *plans, long n, const uint16_t *h, uint16_t *out, long B, long T, const uint16_t *cos, const uint16_t *sin,
+   length in every layer), the first reading h and every one writing out; 0, or -1 from the first
+   layer that could not step (`layer_step`) */
+int stack_step(const Plan *const *plans, long n, const uint16_t *h, uint16_t *out, long B, long T, const uint16_t *cos, const uint16_t *sin,
                 uint16_t *const *ck, uint16_t *const *cv, long ksb, long ksh, long kss, long vsb, long vsh, long vss, long length,
                 const uint8_t *visible, long isb, long ist, long iss, long few, uint16_t *scratch, int threads) {
     for (long l = 0; l < n; l++)
-        layer_step(plans[l], l ? out : h, out, B, T, cos, sin, ck[l], cv[l], ksb, ksh, kss, vsb, vsh, vss, length, visible, isb, ist, iss, few,
-                   scratch, threads);
+        if (layer_step(plans[l], l ? out : h, out, B, T, cos, sin, ck[l], cv[l], ksb, ksh, kss, vsb, vsh, vss, length, visible, isb, ist, iss, few,
+                       scratch, threads))
+            return -1;
+    return 0;
 }
 """
 )
@@ -146,7 +153,9 @@ def stack_step(
     norms: ctypes.CDLL | None,
 ) -> Tensor | None:
     """`decode_step` through consecutive `layers` (a model's, all of them: the model-level step,
-    `lean_layers.lean_model_forward`) in one C call, or None (nothing done) unless every layer can."""
+    `lean_layers.lean_model_forward`) in one C call, or None (nothing done) unless every layer can.
+    Where a layer's attention finds no memory for its scratch, None too: the cache's length stays,
+    and the columns past it that the layers before wrote are written again by the run op by op."""
     lib = _library()
     if lib is None or norms is None or torch.is_grad_enabled() or position_embeddings is None or cache is None or not layers:
         return None
@@ -190,11 +199,13 @@ def stack_step(
     scratch = torch.empty(batch * steps * (3 * width + (heads + 2 * kv_heads) * dim + heads * dim + 3 * inter), dtype=torch.bfloat16)
     out = torch.empty_like(hidden)
     addresses = ctypes.c_void_p * len(layers)
-    lib.stack_step(
+    failed = lib.stack_step(
         addresses(*[ctypes.addressof(plan) for plan in plans]), len(layers), hidden.data_ptr(), out.data_ptr(), batch, steps, cos.data_ptr(), sin.data_ptr(),
         addresses(*[own._k.data_ptr() for own in owns]), addresses(*[own._v.data_ptr() for own in owns]), *strides[:3], *strides[4:7], length,
         visible.data_ptr(), *visible.stride(), FEW_QUERIES, scratch.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
+    if failed:  # an attention without room for its scratch: the cache's length stays, so the columns written go unread
+        return None
     for own in owns:
         own.length = length + steps
         own._refresh()
@@ -295,7 +306,7 @@ def _built() -> ctypes.CDLL | None:
     lib = compiled(_SOURCE, "layer_step")
     if lib is None:
         return None
-    lib.stack_step.restype = None
+    lib.stack_step.restype = ctypes.c_int
     lib.stack_step.argtypes = (
         [ctypes.c_void_p, ctypes.c_long]
         + [ctypes.c_void_p] * 2

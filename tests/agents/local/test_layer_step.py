@@ -92,3 +92,26 @@ def test_a_model_prepared_twice_steps_as_once(tiny_chat_model: Path) -> None:
     body = type(model.model)
     assert sampling_model(model) is model and type(model.model) is body
     assert _sample(model, 0.0, 4)
+
+
+def test_a_step_whose_attention_finds_no_room_runs_op_by_op(tiny_chat_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The attention kernel answers -1 where it cannot have its scratch: the one-call step then
+    answers None before the cache's length moves, the layers run op by op over the columns it
+    wrote, and the samples are theirs."""
+    import ctypes
+
+    no_room = ctypes.CFUNCTYPE(ctypes.c_int)(lambda: -1)  # the attention's every call: no memory for its scratch
+    real = layer_step._kernels
+    monkeypatch.setattr(layer_step, "_kernels", lambda norms: (*real(norms)[:4], ctypes.cast(no_room, ctypes.c_void_p).value))
+    stepped: list[bool] = []
+
+    def counted(*args: object) -> object:
+        out = layer_step.stack_step(*args)  # type: ignore[arg-type]
+        stepped.append(out is not None)
+        return out
+
+    monkeypatch.setattr("cgym.agents.local.lean_layers.stack_step", counted)
+    got = _sample(_lean(tiny_chat_model, "llama"), 0.0, 0)
+    assert stepped and not any(stepped), "every one-call step declined"
+    monkeypatch.setattr("cgym.agents.local.lean_layers.stack_step", lambda *args: None)
+    assert got == _sample(_lean(tiny_chat_model, "llama"), 0.0, 0)
