@@ -127,12 +127,12 @@ void pair_linear(const uint16_t *x, const uint32_t *w, const float *bias, uint16
    run FMAs alone: the same products added in the same order, so the same bits as `pair_dot`.
    The rows are widened with each pair's two inputs swapped, the odd one first as the
    instruction sums them, so that panel row s meets row element s: the tile is then a plain
-   fp32 product loop (1.2-1.35x the loop that picked each pair's inputs apart, 2-core Ice Lake). */
+   fp32 product loop (1.1-1.3x the loop that picked each pair's inputs apart, 2-core Ice Lake). */
 #define WR 6 /* rows a tile: 24 accumulators, 4 weight vectors, a broadcast row value */
 #define WIDE_ROWS 96 /* fewer: `pair_rows` was as fast or faster (ad hoc `cross_ab.py`: the panel 0.83-0.97x at 16-32 rows, 0.96-1.05x at 48-80, 1.03-1.13x at 100-240) */
 #define FEW_ROWS 3 /* fewer: the pair loop, which widens nothing, was as fast or faster than `pair_rows` (ad hoc `rows_ab.py`) */
 
-/* R rows widened and swapped (`widen_swapped`) times a panel of 2 pairs rows of C blocks */
+/* acc += R rows, widened and swapped (`widen_swapped`), times the panel's 2 pairs rows of C blocks */
 static inline __attribute__((always_inline)) void wide_tile(const float *xs, long K, const float *panel, long pairs, int R, int C,
                                                             __m512 acc[WR][CB]) {
     for (long s = 0; s < 2 * pairs; s++) {
