@@ -168,13 +168,8 @@ void attention_backward(const uint16_t *q, const uint16_t *k, const uint16_t *v,
                     long seen_blocks[2], two = 0;
                     __mmask16 live[2][BQ];
                     for (long j = j0; j < j0 + 2 && j < blocks; j++) {
-                        __mmask16 inside = lanes(S - j * 16);
-                        int any = 0;
-                        for (int r = 0; r < BQ; r++) {
-                            __m128i bytes = _mm_maskz_loadu_epi8(inside, seen[r] + j * 16);
-                            live[two][r] = r < rows ? _mm_test_epi8_mask(bytes, bytes) : 0;
-                            any |= live[two][r];
-                        }
+                        int any = block_live(seen, 0, rows, S, j, live[two]);
+                        for (int r = rows; r < BQ; r++) live[two][r] = 0; /* a short block's repeats weigh nothing */
                         if (any) seen_blocks[two++] = j; /* a block none sees is never read in pass 2 */
                     }
                     if (!two) continue;

@@ -77,7 +77,7 @@ static void widen_values(const uint16_t *v, long n, long vss, long width, float 
    visibility bytes, or seen NULL: every key), and whether any of them sees one */
 static inline __attribute__((always_inline)) int block_live(const uint8_t **seen, long m0, long rows, long n, long j, __mmask16 *live) {
     long left = n - j * 16;
-    __mmask16 inside = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+    __mmask16 inside = lanes(left);
     int any = 0;
     for (int r = 0; r < rows; r++) {
         live[r] = inside;

@@ -89,12 +89,12 @@ static inline __m512 load_bf16(const uint16_t *p, __mmask16 m) { /* up to 16 bf1
 }
 static inline __mmask16 lanes(long left) { return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1); }
 static inline float bf16_value(uint16_t h) { uint32_t bits = (uint32_t)h << 16; float f; memcpy(&f, &bits, 4); return f; }
+static inline size_t slice64(size_t bytes) { return (bytes + 63) & ~(size_t)63; } /* bytes rounded up to whole 64s */
 /* 64-byte aligned memory: C11's aligned_alloc takes only a size that is a multiple of the alignment */
-static inline void *aligned64(size_t bytes) { return aligned_alloc(64, (bytes + 63) & ~(size_t)63); }
+static inline void *aligned64(size_t bytes) { return aligned_alloc(64, slice64(bytes)); }
 /* Scratch for each thread of a parallel region of at most `threads`, taken before the region so
    that a kernel without room can say so before it writes anything (inside the region a NULL
    has nowhere to go): `threads` slices of `bytes`, each 64-byte aligned, or NULL. */
-static inline size_t slice64(size_t bytes) { return (bytes + 63) & ~(size_t)63; }
 static inline char *thread_scratch(int threads, size_t bytes) { return aligned64((size_t)(threads > 0 ? threads : 1) * slice64(bytes) + 64); }
 static inline void *own_slice(char *scratch, size_t bytes) { return scratch + (size_t)omp_get_thread_num() * slice64(bytes); }
 
