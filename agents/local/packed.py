@@ -32,6 +32,13 @@ and 1.0-1.3 times the panel before the swap at 256-1,024 (2-core Ice Lake, alter
 `rows_ab.py`, `rw_ab.py`, `cross_ab.py` and `packed_ab.py`; the panel ran at 200-310 GFLOP/s
 as the host's speed went, where PyTorch's fp32 products ran at ~200-230).
 
+A decode step of few rows reads every weight once, from memory (SmolLM2's 212 MB of bf16 body
+weights are more than the caches hold), in four streams a thread (a group's four blocks). The
+pair loop and `pair_rows` fetch each stream `AHEAD` lines ahead of their loads: over those 212 MB
+(2-core Ice Lake, alternated, ad hoc `stream_ab.py`, `pf_ab.py`) 1-16 rows ran 5-17% faster,
+more while the host was slow, and 24 rows or more within the noise. `pair_wide` reads a
+group's weights once for many rows and gained nothing from it.
+
 Only for inference (the packed ops have no backward) and only where `packable` says the CPU and
 the dtype take it; `tests/agents/local/test_packed.py` holds the results to `F.linear`'s.
 """
@@ -55,6 +62,7 @@ _SOURCE = (
     + r"""
 #define RB 5 /* rows a block: a decode step's drafts are 1 + 4 ids a row */
 #define CB 4 /* blocks of 16 outputs a block: 20 accumulators, 4 weight vectors */
+#define AHEAD 24 /* lines fetched ahead in each block's weights: a few-row step streams them from memory (below) */
 
 /* acc[r][c] += row r's pairs (xr[r]) dotted with block c's (wg: CB blocks of pairs x 16 u32), R rows:
    a tile of constant shape wherever R is a constant */
@@ -62,6 +70,7 @@ static inline __attribute__((always_inline)) void dot_tile(const uint32_t *const
     for (long i = 0; i < pairs; i++) {
         __m512bh wv[CB];
         for (int c = 0; c < CB; c++) wv[c] = (__m512bh)_mm512_load_si512(wg + (c * pairs + i) * 16);
+        for (int c = 0; c < CB; c++) _mm_prefetch((const char *)(wg + (c * pairs + i + AHEAD) * 16), _MM_HINT_T0);
 #pragma GCC unroll 5
         for (int r = 0; r < R; r++) {
             __m512bh xv = (__m512bh)_mm512_set1_epi32((int)xr[r][i]);
@@ -168,6 +177,7 @@ static inline __attribute__((always_inline)) void row_tile(const float *xw, long
 #pragma GCC unroll 4
         for (int c = 0; c < C; c++) {
             __m512i v = _mm512_load_si512(wg + (c * pairs + i) * 16);
+            _mm_prefetch((const char *)(wg + (c * pairs + i + AHEAD) * 16), _MM_HINT_T0);
             odd[c] = bf16_hi(v);
             even[c] = bf16_lo(v);
         }
