@@ -1,0 +1,130 @@
+"""RMSNorm and the SiLU gate in one C pass each (`training_ops`): transformers' outputs and
+gradients within fp32 rounding, and transformers' own forward wherever the kernels do not apply."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from cgym.agents.local import training_ops
+from cgym.agents.local.precision import DTYPE_ENV, autocast
+from cgym.agents.local.sampling import sequence_logprobs
+from cgym.agents.local.training_ops import fused_norms_and_gates, gated, rms_norm
+from transformers import AutoModelForCausalLM
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+pytestmark = pytest.mark.skipif(training_ops._library() is None, reason="the C kernels do not run here")
+
+IDS = torch.tensor([[1, 5, 9, 13, 17, 21, 25, 29], [2, 6, 10, 14, 18, 22, 26, 30]])
+
+
+def _norm(width: int, trained: bool = False) -> LlamaRMSNorm:
+    torch.manual_seed(0)
+    norm = LlamaRMSNorm(width, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.normal_(1.0, 0.3)
+    norm.weight.requires_grad_(trained)
+    return norm
+
+
+def _forward_backward(fn, *inputs: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    leaves = [x.detach().clone().requires_grad_(True) for x in inputs]
+    out = fn(*leaves)
+    out.backward(torch.linspace(-2.0, 2.0, out.numel()).view(out.shape))
+    return out.detach(), [leaf.grad for leaf in leaves]
+
+
+def _float64(fn, *inputs: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    return _forward_backward(fn, *(x.double() for x in inputs))
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 576), (2, 7, 576), (1, 300, 64), (3, 5, 48)])
+def test_the_norm_and_its_gradient_match_transformers_within_fp32_rounding(shape: tuple[int, ...]) -> None:
+    norm = _norm(shape[-1])
+    x = torch.randn(shape) * 3
+    ours, (our_dx,) = _forward_backward(lambda t: rms_norm(norm, t), x)
+    theirs, (their_dx,) = _forward_backward(norm, x)
+    exact, (exact_dx,) = _float64(lambda t: norm.weight.double() * (t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)), x)
+    # as close to the float64 answer as transformers' own fp32 ops, give or take a rounding
+    assert (ours.double() - exact).abs().max() <= 2 * (theirs.double() - exact).abs().max() + 1e-6
+    assert (our_dx.double() - exact_dx).abs().max() <= 2 * (their_dx.double() - exact_dx).abs().max() + 1e-6
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(our_dx, their_dx, rtol=1e-5, atol=1e-5)
+
+
+def test_a_norm_whose_weight_trains_or_a_width_the_kernel_skips_keeps_transformers_forward() -> None:
+    for norm, x in ((_norm(64, trained=True), torch.randn(2, 3, 64)), (_norm(40), torch.randn(2, 3, 40))):
+        assert torch.equal(rms_norm(norm, x), norm(x))
+    trained = _norm(64, trained=True)
+    rms_norm(trained, torch.randn(2, 3, 64, requires_grad=True)).sum().backward()
+    assert trained.weight.grad is not None  # the weight's gradient is transformers' to give
+
+
+@pytest.mark.parametrize("shape", [(1, 1536), (5, 17), (2, 3, 64)])
+def test_the_gate_and_its_gradients_match_silu_times_up_within_fp32_rounding(shape: tuple[int, ...]) -> None:
+    torch.manual_seed(1)
+    gate, up = torch.randn(shape) * 5, torch.randn(shape)
+    gate.view(-1)[:4] = torch.tensor([-100.0, -88.0, 0.0, 100.0])  # past exp's range either way, and zero
+    ours, our_grads = _forward_backward(gated, gate, up)
+    theirs, their_grads = _forward_backward(lambda a, u: torch.nn.functional.silu(a) * u, gate, up)
+    exact, exact_grads = _float64(lambda a, u: torch.nn.functional.silu(a) * u, gate, up)
+    assert torch.isfinite(ours).all() and all(torch.isfinite(g).all() for g in our_grads)
+    assert (ours.double() - exact).abs().max() <= 2 * (theirs.double() - exact).abs().max() + 1e-6
+    for mine, other, truth in zip(our_grads, their_grads, exact_grads, strict=True):
+        assert (mine.double() - truth).abs().max() <= 2 * (other.double() - truth).abs().max() + 1e-6
+        torch.testing.assert_close(mine, other, rtol=1e-5, atol=1e-5)
+
+
+def test_outside_fp32_or_under_autocast_the_ops_are_pytorchs() -> None:
+    norm, x = _norm(64), torch.randn(2, 3, 64)
+    gate, up = torch.randn(4, 32), torch.randn(4, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(rms_norm(norm, x), norm(x))
+        assert torch.equal(gated(gate, up), torch.nn.functional.silu(gate) * up)
+    half_gate, half_up = gate.bfloat16(), up.bfloat16()
+    assert torch.equal(gated(half_gate, half_up), torch.nn.functional.silu(half_gate) * half_up)
+
+
+def test_a_model_under_the_block_gives_its_loss_and_lora_gradients_within_rounding(tiny_chat_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("peft")
+    from cgym.agents.local.lora import with_lora
+
+    monkeypatch.setenv(DTYPE_ENV, "float32")
+    torch.manual_seed(0)
+    model = with_lora(AutoModelForCausalLM.from_pretrained(tiny_chat_model, dtype=torch.float32), 4)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.05)
+
+    def loss_and_grads() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        model.zero_grad(set_to_none=True)
+        with autocast(model):
+            loss = -sequence_logprobs(model, IDS, torch.ones_like(IDS)).sum()
+        loss.backward()
+        return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.requires_grad}
+
+    plain_loss, plain_grads = loss_and_grads()
+    calls = {"norm": 0, "gate": 0}
+    monkeypatch.setattr(training_ops._Norm, "apply", _counting(training_ops._Norm.apply, calls, "norm"))
+    monkeypatch.setattr(training_ops._Gate, "apply", _counting(training_ops._Gate.apply, calls, "gate"))
+    with fused_norms_and_gates(model) as count:
+        assert count == 2 * 2 + 1 + 2  # two layers' two norms, the final norm, two MLPs
+        loss, grads = loss_and_grads()
+    assert calls == {"norm": 5, "gate": 2}  # every one ran in the kernels
+    torch.testing.assert_close(loss, plain_loss, rtol=1e-5, atol=1e-4)
+    assert grads.keys() == plain_grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, plain_grads[name], rtol=1e-4, atol=1e-5, msg=name)
+    calls.update(norm=0, gate=0)
+    assert torch.equal(loss_and_grads()[0], plain_loss)  # the block gave the forwards back
+    assert calls == {"norm": 0, "gate": 0}
+
+
+def _counting(apply, calls: dict[str, int], key: str):
+    def counted(*args):
+        calls[key] += 1
+        return apply(*args)
+
+    return counted
