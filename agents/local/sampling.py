@@ -30,7 +30,7 @@ from cgym.agents.local.kv_cache import (
     use_prefix_attention,
 )
 from cgym.agents.local.lookup import LOOKUP_TOKENS, PromptLookup, lookup_rows
-from cgym.agents.local.pick import pick_rows
+from cgym.agents.local.pick import check_drafts, pick_rows
 from cgym.agents.local.target_logprobs import target_logprobs
 from cgym.agents.local.turn_cache import Reuse, TurnCache
 from cgym.agents.options import SamplingOptions
@@ -589,6 +589,10 @@ def accept_drafts(logits: Tensor, drafts: Tensor, params: SamplingOptions, gener
     last position. Every emitted id then follows the distribution one-at-a-time sampling draws
     from (`p` with temperature and top-p applied), though from different random numbers.
     """
+    if params.temperature == 0 or params.top_p == 1.0:
+        checked = check_drafts(logits, drafts, params.temperature, generator)  # in C for bf16 logits
+        if checked is not None:
+            return checked
     logp, allowed = _distribution(logits, params)
     if params.temperature == 0:
         picked = logp.argmax(-1)  # (b, n)

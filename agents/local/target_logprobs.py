@@ -178,6 +178,22 @@ class _RowLogprobs(torch.autograd.Function):
         return out.to(logits.dtype), None, None, None
 
 
+def row_log_sum_exps(logits: Tensor, rows: Tensor, targets: Tensor, temperature: float) -> tuple[Tensor, Tensor] | None:
+    """For (U, V) logits: each row's `logsumexp(logits / temperature)` (U,) and the log-probs of
+    (K,) `targets` in (K,) logit `rows` (K,), in one pass of the C kernel, no gradient; None
+    where it does not take the logits."""
+    lib = _kernel_for(logits)
+    if lib is None:
+        return None
+    row_of, target = rows.to(torch.int64).contiguous(), targets.to(torch.int64).contiguous()
+    lse, picked = torch.empty(logits.shape[0]), torch.empty(len(target))
+    lib.row_logprobs(
+        logits.data_ptr(), row_of.data_ptr(), target.data_ptr(), lse.data_ptr(), picked.data_ptr(),
+        logits.shape[0], len(target), logits.shape[1], logits.stride(0), 1.0 / temperature, torch.get_num_threads(),
+    )  # fmt: skip
+    return lse, picked
+
+
 def _scaled_fp32(logits: Tensor, temperature: float) -> Tensor:
     """A new fp32 tensor holding `logits / temperature` (never the logits themselves)."""
     out = logits.to(torch.float32, copy=True)
