@@ -188,9 +188,9 @@ class _Gate(torch.autograd.Function):
 
 def rms_norm(norm: nn.Module, x: Tensor) -> Tensor:
     """`norm(x)` for an RMSNorm of `NORMS`: in the kernels where they take it (a frozen fp32
-    weight, fp32 rows of a width divisible by 16), else its own forward."""
+    weight, contiguous fp32 rows), else its own forward."""
     weight = norm.weight
-    if _library() is None or weight.requires_grad or weight.shape != x.shape[-1:] or x.shape[-1] % 16 or not _plain(x, weight):
+    if _library() is None or weight.requires_grad or weight.shape != x.shape[-1:] or not _plain(x, weight):
         return type(norm).forward(norm, x)
     return _Norm.apply(x, weight, float(norm.variance_epsilon))
 

@@ -39,7 +39,7 @@ def _float64(fn, *inputs: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor
     return _forward_backward(fn, *(x.double() for x in inputs))
 
 
-@pytest.mark.parametrize("shape", [(1, 1, 576), (2, 7, 576), (1, 300, 64), (3, 5, 48)])
+@pytest.mark.parametrize("shape", [(1, 1, 576), (2, 7, 576), (1, 300, 64), (3, 5, 40)])  # 40: a last block of 8 lanes
 def test_the_norm_and_its_gradient_match_transformers_within_fp32_rounding(shape: tuple[int, ...]) -> None:
     norm = _norm(shape[-1])
     x = torch.randn(shape) * 3
@@ -53,8 +53,9 @@ def test_the_norm_and_its_gradient_match_transformers_within_fp32_rounding(shape
     torch.testing.assert_close(our_dx, their_dx, rtol=1e-5, atol=1e-5)
 
 
-def test_a_norm_whose_weight_trains_or_a_width_the_kernel_skips_keeps_transformers_forward() -> None:
-    for norm, x in ((_norm(64, trained=True), torch.randn(2, 3, 64)), (_norm(40), torch.randn(2, 3, 40))):
+def test_a_norm_whose_weight_trains_or_rows_not_contiguous_keep_transformers_forward() -> None:
+    strided = torch.randn(2, 64, 3).transpose(1, 2)
+    for norm, x in ((_norm(64, trained=True), torch.randn(2, 3, 64)), (_norm(64), strided)):
         assert torch.equal(rms_norm(norm, x), norm(x))
     trained = _norm(64, trained=True)
     rms_norm(trained, torch.randn(2, 3, 64, requires_grad=True)).sum().backward()
