@@ -105,3 +105,13 @@ def test_bf16_logits_are_checked_in_the_kernels_and_others_are_not() -> None:
         assert check_drafts(LOGITS[None].bfloat16(), drafts, temperature, torch.Generator().manual_seed(0)) is not None
         assert check_drafts(LOGITS[None], drafts, temperature, torch.Generator().manual_seed(0)) is None  # fp32: PyTorch's ops
     assert check_drafts(LOGITS[None].bfloat16().expand(2, -1, -1), drafts.expand(2, -1), 0.7, None) is None  # not contiguous
+
+
+@pytest.mark.skipif(pick_library() is None, reason="the C kernels do not run here")
+def test_without_room_for_the_pick_kernel_the_next_id_is_a_gumbel_draw_from_the_same_distribution(monkeypatch: pytest.MonkeyPatch) -> None:
+    from cgym.agents.local import pick
+
+    picks = pick.pick_rows
+    monkeypatch.setattr(pick, "pick_rows", lambda logits, temperature, generator: None if temperature > 0 else picks(logits, temperature, generator))
+    _assert_each_id_follows_its_distribution(SamplingOptions(temperature=0.7), torch.bfloat16)
+    assert check_drafts(LOGITS[None].bfloat16(), torch.tensor([DRAFTS]), 0.7, None) is not None  # still the kernels' draft check

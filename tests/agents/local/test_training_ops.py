@@ -11,6 +11,7 @@ from cgym.agents.local import training_ops
 from cgym.agents.local.precision import DTYPE_ENV, autocast
 from cgym.agents.local.sampling import sequence_logprobs
 from cgym.agents.local.training_ops import fused_norms_and_gates, gated, rms_norm
+from cgym.trainer.recompute import recomputed_layers
 from transformers import AutoModelForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
@@ -107,6 +108,11 @@ def test_a_model_under_the_block_gives_its_loss_and_lora_gradients_within_roundi
         return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.requires_grad}
 
     plain_loss, plain_grads = loss_and_grads()
+    with fused_norms_and_gates(model), recomputed_layers(model):  # the layers run again in the backward pass, through the kernels
+        recomputed_loss, recomputed_grads = loss_and_grads()
+    torch.testing.assert_close(recomputed_loss, plain_loss, rtol=1e-5, atol=1e-4)
+    for name, grad in recomputed_grads.items():
+        torch.testing.assert_close(grad, plain_grads[name], rtol=1e-4, atol=1e-5, msg=name)
     calls = {"norm": 0, "gate": 0}
     monkeypatch.setattr(training_ops._Norm, "apply", _counting(training_ops._Norm.apply, calls, "norm"))
     monkeypatch.setattr(training_ops._Gate, "apply", _counting(training_ops._Gate.apply, calls, "gate"))
