@@ -140,8 +140,10 @@ void attention_backward(const uint16_t *q, const uint16_t *k, const uint16_t *v,
         }
         for (long c0 = 0; c0 < pl.mp; c0 += qc) {
             long cblocks = (pl.mp - c0 < qc ? pl.mp - c0 : qc) / BQ, cq = c0 / BQ;
-            /* pass 1: per block of BQ queries, every key block they see */
-#pragma omp for schedule(dynamic, 4)
+            /* pass 1: per block of BQ queries, every key block they see. Eight blocks a task: their
+               transposed p and ds pairs fill whole 64-byte lines of PT and ST, which two threads
+               writing alternate blocks' halves of had passed back and forth (10-16% of the kernel) */
+#pragma omp for schedule(dynamic, 8)
             for (long item = 0; item < units * cblocks; item++) {
                 long n = item / cblocks, qb = cq + item % cblocks, m0 = qb * BQ, b = n / H;
                 long rows = M - m0 < BQ ? M - m0 : BQ; /* >= 1: mp rounds M up by less than BQ */
