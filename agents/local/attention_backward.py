@@ -140,9 +140,10 @@ void attention_backward(const uint16_t *q, const uint16_t *k, const uint16_t *v,
         }
         for (long c0 = 0; c0 < pl.mp; c0 += qc) {
             long cblocks = (pl.mp - c0 < qc ? pl.mp - c0 : qc) / BQ, cq = c0 / BQ;
-            /* pass 1: per block of BQ queries, every key block they see. Eight blocks a task: their
-               transposed p and ds pairs fill whole 64-byte lines of PT and ST, which two threads
-               writing alternate blocks' halves of had passed back and forth (10-16% of the kernel) */
+            /* pass 1: per block of BQ queries, every key block they see. Eight blocks a task, so that
+               one thread fills each 64-byte line of PT and ST (a key's transposed p or ds for 32
+               queries): at four, two threads wrote parts of the same lines and passed them back and
+               forth, 10-16% of the kernel's time */
 #pragma omp for schedule(dynamic, 8)
             for (long item = 0; item < units * cblocks; item++) {
                 long n = item / cblocks, qb = cq + item % cblocks, m0 = qb * BQ, b = n / H;
