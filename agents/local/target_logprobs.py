@@ -144,12 +144,9 @@ class _RowLogprobs(torch.autograd.Function):
     def forward(ctx: Any, logits: Tensor, targets: Tensor, row_of: Tensor, temperature: float) -> Tensor:
         ctx.temperature = temperature
         targets, row_of = targets.to(torch.int64).contiguous(), row_of.to(torch.int64).contiguous()
-        lib = _kernel_for(logits)
-        if lib is not None:
-            rows, width = logits.shape
-            lse, picked = torch.empty(rows), torch.empty(len(targets))
-            pointers = (logits.data_ptr(), row_of.data_ptr(), targets.data_ptr(), lse.data_ptr(), picked.data_ptr())
-            lib.row_logprobs(*pointers, rows, len(targets), width, logits.stride(0), 1.0 / temperature, torch.get_num_threads())
+        summed = row_log_sum_exps(logits, row_of, targets, temperature)
+        if summed is not None:
+            lse, picked = summed
             ctx.save_for_backward(logits, lse, targets, row_of)
             return picked
         scaled = _scaled_fp32(logits, temperature)

@@ -29,11 +29,11 @@ from typing import Any
 import torch
 from cgym.agents.local.instances import replaced
 from cgym.agents.local.kernels import C_HEADER, compiled, enabled
+from cgym.agents.local.lean_layers import SILU
 from torch import Tensor, nn
 
 NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm")  # `w * (x * rsqrt(mean(x^2) + eps))`, as `lean_layers` reads them
 MLPS = ("LlamaMLP", "Qwen2MLP")  # `down(act(gate(x)) * up(x))`
-SILU = ("SiLU", "SiLUActivation")
 
 _SOURCE = (
     C_HEADER
