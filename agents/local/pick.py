@@ -9,11 +9,11 @@ for a sampled id a walk through those sums to the block, then the id, where the 
 passes u x total (one uniform u per row, from the caller's generator: inverse-CDF sampling,
 exact for the softmax as the Gumbel draw is, though from other random numbers).
 
-`check_drafts` takes a decode step's drafted positions the same way: the argmax and log-prob of
-each for greedy rows, and for sampled ones the log-sum-exps of `target_logprobs`' kernel, each
-draft kept with its probability, and one id drawn from the position after the last one kept,
-a rejected draft left out. A 4 x 8 rollout's ~80 draft checks took 0.30-0.35 s through PyTorch's
-log-softmax and Gumbel draw, 0.10-0.13 s so (2-core Ice Lake, ad hoc `sel_time.py`).
+`sampling.accept_drafts` takes a decode step's drafted positions the same way where the logits
+are bf16 and there is no top-p: the argmax and log-prob of each for greedy rows, and for sampled
+ones one id drawn from the position after the last draft kept, a rejected draft left out. A 4 x 8
+rollout's ~80 draft checks took 0.30-0.35 s through PyTorch's log-softmax and Gumbel draw,
+0.10-0.13 s so (2-core Ice Lake, ad hoc `sel_time.py`).
 
 Greedy rows get the argmax that `torch.argmax` gives (the first id of the largest logit) and
 the log-prob of `log_softmax(logits)`; sampled rows that of `log_softmax(logits / T)`, within
@@ -27,7 +27,6 @@ from functools import cache
 
 import torch
 from cgym.agents.local.kernels import C_HEADER, compiled, enabled
-from cgym.agents.local.target_logprobs import row_log_sum_exps
 from torch import Tensor
 
 _SOURCE = (
@@ -144,46 +143,3 @@ def pick_rows(logits: Tensor, temperature: float, generator: torch.Generator | N
         torch.get_num_threads(),
     )
     return None if failed else (ids, logp)
-
-
-def check_drafts(logits: Tensor, drafts: Tensor, temperature: float, generator: torch.Generator | None) -> tuple[Tensor, Tensor, Tensor] | None:
-    """`sampling.accept_drafts` without top-p for (b, n, V) bf16 logits, in the C kernels: the
-    same kept drafts and ids greedy (the argmax of each position, as `pick_rows` takes it), and
-    for sampled rows the same speculative rule, each draft kept with probability p_j(d) from the
-    log-sum-exps of `target_logprobs`' kernel and the next id drawn by `pick_rows` from the
-    position's logits with a rejected draft left out (other random numbers than the Gumbel draw,
-    the same distribution). Log-probs within fp32 rounding of `log_softmax`. None where the
-    kernels do not take it."""
-    if logits.dim() != 3 or drafts.shape != (logits.shape[0], logits.shape[1] - 1) or not logits.is_contiguous():
-        return None
-    rows, n, vocab = logits.shape
-    flat = logits.view(rows * n, vocab)
-    if temperature == 0:
-        picked = pick_rows(flat, 0.0, None)
-        if picked is None:
-            return None
-        ids, logp = picked[0].view(rows, n), picked[1].view(rows, n)
-        kept = (drafts == ids[:, :-1]).long().cumprod(1).sum(1)
-        return ids, logp, kept + 1
-    if flat.dtype != torch.bfloat16 or not enabled() or _library() is None:
-        return None
-    at = torch.arange(rows * n).view(rows, n)
-    sums = row_log_sum_exps(flat, at[:, :-1].reshape(-1), drafts.reshape(-1), temperature)
-    if sums is None:
-        return None
-    lse, drafted_logp = sums
-    kept = (torch.rand((rows, n - 1), generator=generator) < drafted_logp.view(rows, n - 1).exp()).long().cumprod(1).sum(1)
-    every = torch.arange(rows)
-    last = flat[at[every, kept]]  # (b, V): where each row draws its next id, a copy
-    rejected = (kept < n - 1).nonzero().squeeze(1)
-    last[rejected, drafts[rejected, kept[rejected]]] = float("-inf")
-    drawn = pick_rows(last, temperature, generator)
-    if drawn is None:  # no room for the kernel's scratch: the Gumbel draw
-        noise = torch.rand(last.shape, generator=generator).log_().neg_().log_()
-        new = (torch.log_softmax(last.float() / temperature, -1) - noise).argmax(-1)
-    else:
-        new = drawn[0]
-    ids = torch.cat([drafts, drafts[:, :1]], 1).to(torch.int64)
-    ids[every, kept] = new
-    logp = flat.gather(1, ids.view(-1, 1)).squeeze(1).float() / temperature - lse
-    return ids, logp.view(rows, n), kept + 1

@@ -30,8 +30,8 @@ from cgym.agents.local.kv_cache import (
     use_prefix_attention,
 )
 from cgym.agents.local.lookup import LOOKUP_TOKENS, PromptLookup, lookup_rows
-from cgym.agents.local.pick import check_drafts, pick_rows
-from cgym.agents.local.target_logprobs import target_logprobs
+from cgym.agents.local.pick import pick_rows
+from cgym.agents.local.target_logprobs import row_log_sum_exps, target_logprobs
 from cgym.agents.local.turn_cache import Reuse, TurnCache
 from cgym.agents.options import SamplingOptions
 from torch import Tensor
@@ -589,24 +589,39 @@ def accept_drafts(logits: Tensor, drafts: Tensor, params: SamplingOptions, gener
     last position. Every emitted id then follows the distribution one-at-a-time sampling draws
     from (`p` with temperature and top-p applied), though from different random numbers.
     """
-    if params.temperature == 0 or params.top_p == 1.0:
-        checked = check_drafts(logits, drafts, params.temperature, generator)  # in C for bf16 logits
-        if checked is not None:
-            return checked
-    logp, allowed = _distribution(logits, params)
-    if params.temperature == 0:
-        picked = logp.argmax(-1)  # (b, n)
-        kept = (drafts == picked[:, :-1]).long().cumprod(1).sum(1)  # (b,)
-        return picked, logp.gather(-1, picked[..., None]).squeeze(-1), kept + 1
     rows, n = torch.arange(drafts.shape[0], device=drafts.device), drafts.shape[1] + 1
-    p_draft = (allowed[:, :-1].gather(-1, drafts[..., None]).squeeze(-1) - allowed[:, :-1].logsumexp(-1)).exp()  # (b, n - 1)
+    # bf16 logits (the sampler's packed model's) without top-p take the C kernels: `pick_rows`
+    # for argmaxes and draws, `row_log_sum_exps` for the positions' log-sum-exps
+    flat = logits.view(-1, logits.shape[-1]) if logits.dtype == torch.bfloat16 and logits.is_contiguous() else None
+    if params.temperature == 0:
+        picked = pick_rows(flat, 0.0, None) if flat is not None else None
+        if picked is None:
+            logp = _distribution(logits, params)[0]
+            ids = logp.argmax(-1)  # (b, n)
+            picked = ids, logp.gather(-1, ids[..., None]).squeeze(-1)
+        ids, logp = picked[0].view(drafts.shape[0], n), picked[1].view(drafts.shape[0], n)
+        kept = (drafts == ids[:, :-1]).long().cumprod(1).sum(1)  # (b,)
+        return ids, logp, kept + 1
+    at = torch.arange(drafts.numel() + len(rows), device=drafts.device).view(len(rows), n)
+    sums = row_log_sum_exps(flat, at[:, :-1].reshape(-1), drafts.reshape(-1), params.temperature) if flat is not None and params.top_p == 1.0 else None
+    if sums is None:
+        logp, allowed = _distribution(logits, params)
+        p_draft = (allowed[:, :-1].gather(-1, drafts[..., None]).squeeze(-1) - allowed[:, :-1].logsumexp(-1)).exp()  # (b, n - 1)
+    else:
+        lse, drafted = sums
+        p_draft = drafted.view(len(rows), n - 1).exp()
     kept = (torch.rand(p_draft.shape, generator=generator, device=p_draft.device) < p_draft).long().cumprod(1).sum(1)
-    last = allowed[rows, kept]  # (b, V): where each row draws its next id
+    last = allowed[rows, kept] if sums is None else flat[at[rows, kept]]  # (b, V): where each row draws its next id, a copy
     rejected = (kept < n - 1).nonzero().squeeze(1)
-    last[rejected, drafts[rejected, kept[rejected]]] = float("-inf")  # `allowed[rows, kept]` is a copy
-    ids = torch.cat([drafts, drafts[:, :1]], 1)
-    ids[rows, kept] = _gumbel_argmax(last, generator)
-    return ids, logp.gather(-1, ids[..., None]).squeeze(-1), kept + 1
+    last[rejected, drafts[rejected, kept[rejected]]] = float("-inf")
+    drawn = pick_rows(last, params.temperature, generator) if sums is not None else None
+    if drawn is None and sums is not None:  # no room for the kernel's scratch
+        last = torch.log_softmax(last.float() / params.temperature, -1)
+    ids = torch.cat([drafts, drafts[:, :1]], 1).to(torch.int64)
+    ids[rows, kept] = drawn[0] if drawn is not None else _gumbel_argmax(last, generator)
+    if sums is None:
+        return ids, logp.gather(-1, ids[..., None]).squeeze(-1), kept + 1
+    return ids, (flat.gather(1, ids.view(-1, 1)).squeeze(1).float() / params.temperature - lse).view(len(rows), n), kept + 1
 
 
 def common_prefix_len(prompts: Sequence[Sequence[int]]) -> int:

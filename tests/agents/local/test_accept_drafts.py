@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cgym.agents.local import sampling
 from cgym.agents.local.pick import _library as pick_library
-from cgym.agents.local.pick import check_drafts
 from cgym.agents.local.sampling import accept_drafts
 from cgym.agents.options import SamplingOptions
 
@@ -22,7 +22,7 @@ DRAFTS = [0, 2]  # p_0(0) is about 0.6, p_1(2) about 0.4: every branch sees thou
 
 
 # fp32 logits take PyTorch's ops; bf16 ones, as the sampler's packed model gives them, the C kernels
-# (`pick.check_drafts`) where they run here
+# (`pick_rows`, `row_log_sum_exps`) where they run here
 DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(pick_library() is None, reason="the C kernels do not run here"))]
 
 
@@ -98,20 +98,40 @@ def test_greedy_keeps_the_drafts_that_match_the_argmax(dtype: torch.dtype) -> No
     torch.testing.assert_close(logprobs[0], torch.log_softmax(logits[0].float(), -1)[[0, 1, 2], [0, 2, 2]])
 
 
+def _kernel_calls(monkeypatch: pytest.MonkeyPatch, pick_rows_answers: bool = True) -> dict[str, int]:
+    """Count `accept_drafts`' calls into the C kernels (`pick_rows` answering None when told to)."""
+    calls = {"pick_rows": 0, "row_log_sum_exps": 0}
+    picks, sums = sampling.pick_rows, sampling.row_log_sum_exps
+
+    def pick(logits: torch.Tensor, temperature: float, generator: torch.Generator | None):
+        calls["pick_rows"] += 1
+        return picks(logits, temperature, generator) if pick_rows_answers or temperature == 0 else None
+
+    def summed(*args):
+        calls["row_log_sum_exps"] += 1
+        return sums(*args)
+
+    monkeypatch.setattr(sampling, "pick_rows", pick)
+    monkeypatch.setattr(sampling, "row_log_sum_exps", summed)
+    return calls
+
+
 @pytest.mark.skipif(pick_library() is None, reason="the C kernels do not run here")
-def test_bf16_logits_are_checked_in_the_kernels_and_others_are_not() -> None:
+def test_bf16_logits_are_checked_in_the_kernels_and_others_are_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _kernel_calls(monkeypatch)
     drafts = torch.tensor([DRAFTS])
     for temperature in (0.0, 0.7):
-        assert check_drafts(LOGITS[None].bfloat16(), drafts, temperature, torch.Generator().manual_seed(0)) is not None
-        assert check_drafts(LOGITS[None], drafts, temperature, torch.Generator().manual_seed(0)) is None  # fp32: PyTorch's ops
-    assert check_drafts(LOGITS[None].bfloat16().expand(2, -1, -1), drafts.expand(2, -1), 0.7, None) is None  # not contiguous
+        accept_drafts(LOGITS[None].bfloat16(), drafts, SamplingOptions(temperature=temperature), torch.Generator().manual_seed(0))
+    assert calls == {"pick_rows": 2, "row_log_sum_exps": 1}  # the greedy argmaxes; the sampled log-sum-exps and draw
+    for logits, rows in ((LOGITS[None], drafts), (LOGITS[None].bfloat16().expand(2, -1, -1), drafts.expand(2, -1))):  # fp32; not contiguous
+        for temperature in (0.0, 0.7):
+            accept_drafts(logits, rows, SamplingOptions(temperature=temperature), torch.Generator().manual_seed(0))
+    accept_drafts(LOGITS[None].bfloat16(), drafts, SamplingOptions(temperature=0.7, top_p=0.7), None)  # top-p
+    assert calls == {"pick_rows": 2, "row_log_sum_exps": 1}  # PyTorch's ops each time
 
 
 @pytest.mark.skipif(pick_library() is None, reason="the C kernels do not run here")
 def test_without_room_for_the_pick_kernel_the_next_id_is_a_gumbel_draw_from_the_same_distribution(monkeypatch: pytest.MonkeyPatch) -> None:
-    from cgym.agents.local import pick
-
-    picks = pick.pick_rows
-    monkeypatch.setattr(pick, "pick_rows", lambda logits, temperature, generator: None if temperature > 0 else picks(logits, temperature, generator))
+    calls = _kernel_calls(monkeypatch, pick_rows_answers=False)
     _assert_each_id_follows_its_distribution(SamplingOptions(temperature=0.7), torch.bfloat16)
-    assert check_drafts(LOGITS[None].bfloat16(), torch.tensor([DRAFTS]), 0.7, None) is not None  # still the kernels' draft check
+    assert calls == {"pick_rows": 1, "row_log_sum_exps": 1}  # still the kernels' draft check, then the Gumbel draw
