@@ -13,9 +13,10 @@ softmax weights and their gradients to bf16 before the last three products. Sixt
 block, blocks a query block sees none of are skipped. Two passes per kv head:
 
 1. query blocks over key blocks, two key blocks at a time as in the forward kernel
-   (`block_products`): the scores again (bit for bit the forward kernel's), the weights
+   (`score_and_dp`: `block_products`' sums, over keys and values at once): the scores again (bit for bit the forward kernel's), the weights
    `p = exp(score - lse)`, `dp = dO . v`, `ds = p (dp - delta)` with `delta = dO . O`; the
-   query gradient `scale * sum_s ds k_s`; `p` and `ds` kept, transposed.
+   query gradient `scale * sum_s ds k_s`; `p` and `ds` kept, a 128-byte tile for each block of
+   four queries and sixteen keys.
 2. key blocks over query pairs: `dV = sum_m p dO_m` and `dK = scale * sum_m ds q_m`, their
    accumulators in registers.
 
@@ -51,18 +52,56 @@ static void pair_rows(const uint16_t *x, long n, long rows, uint32_t *out) {
         }
 }
 
-/* Four queries' bf16 values for sixteen keys (x[r] lane t: query r, key t) written transposed as
-   pairs of queries: key t's (q0 | q1 << 16, q2 | q3 << 16) at out + t * stride */
-static inline void store_pairs(const __m256i x[4], uint32_t *out, long stride) {
+#define TILE 32 /* u32s a tile: p or ds of BQ queries for sixteen keys, as pairs of queries */
+
+/* Four queries' bf16 values for sixteen keys (x[r] lane t: query r, key t) as one 128-byte
+   tile: key t's (q0 | q1 << 16, q2 | q3 << 16) at tile + 2t. Whole lines: scattered over
+   sixteen rows of a transposed layout, these stores were a third of pass 1 */
+static inline void store_tile(const __m256i x[4], uint32_t *tile) {
     __m256i a = _mm256_unpacklo_epi16(x[0], x[1]), b = _mm256_unpackhi_epi16(x[0], x[1]);
     __m256i c = _mm256_unpacklo_epi16(x[2], x[3]), d = _mm256_unpackhi_epi16(x[2], x[3]);
-    __m256i keys[4] = {_mm256_unpacklo_epi32(a, c), _mm256_unpackhi_epi32(a, c), _mm256_unpacklo_epi32(b, d), _mm256_unpackhi_epi32(b, d)};
-    for (int g = 0; g < 4; g++) { /* keys 2g, 2g + 1 in the low lane, 8 + 2g, 9 + 2g in the high */
-        __m128i lo = _mm256_castsi256_si128(keys[g]), hi = _mm256_extracti128_si256(keys[g], 1);
-        _mm_storel_epi64((__m128i *)(out + (2 * g) * stride), lo);
-        _mm_storeh_pd((double *)(out + (2 * g + 1) * stride), _mm_castsi128_pd(lo));
-        _mm_storel_epi64((__m128i *)(out + (8 + 2 * g) * stride), hi);
-        _mm_storeh_pd((double *)(out + (9 + 2 * g) * stride), _mm_castsi128_pd(hi));
+    /* keys 0-1 | 8-9, 2-3 | 10-11, 4-5 | 12-13, 6-7 | 14-15 (low lane | high lane) */
+    __m256i k01 = _mm256_unpacklo_epi32(a, c), k23 = _mm256_unpackhi_epi32(a, c);
+    __m256i k45 = _mm256_unpacklo_epi32(b, d), k67 = _mm256_unpackhi_epi32(b, d);
+    _mm256_store_si256((__m256i *)tile, _mm256_permute2x128_si256(k01, k23, 0x20));
+    _mm256_store_si256((__m256i *)(tile + 8), _mm256_permute2x128_si256(k45, k67, 0x20));
+    _mm256_store_si256((__m256i *)(tile + 16), _mm256_permute2x128_si256(k01, k23, 0x31));
+    _mm256_store_si256((__m256i *)(tile + 24), _mm256_permute2x128_si256(k45, k67, 0x31));
+}
+
+/* The scores (queries qr over packed keys kb) and dp (dO rows orow over packed values vb) of
+   `two` key blocks in one loop: block_products' sums in its order, twice as many independent
+   ones in flight */
+static inline __attribute__((always_inline)) void score_and_dp(const uint32_t *const kb[2], const uint32_t *const vb[2], const uint32_t *const *qr,
+                                                               const uint32_t *const *orow, float (*qw)[D], float (*ow)[D], const int two,
+                                                               __m512 sc[2][QB], __m512 dp[2][QB]) {
+    for (int b = 0; b < two; b++)
+        for (int r = 0; r < BQ; r++) sc[b][r] = dp[b][r] = _mm512_setzero_ps();
+    for (int i = 0; i < 32; i++) {
+        __m512i kv[2], vv[2];
+        for (int b = 0; b < two; b++) kv[b] = _mm512_load_si512(kb[b] + i * 16), vv[b] = _mm512_load_si512(vb[b] + i * 16);
+#ifdef __AVX512BF16__
+        (void)qw, (void)ow;
+        for (int r = 0; r < BQ; r++) {
+            __m512bh x = (__m512bh)_mm512_set1_epi32((int)qr[r][i]), y = (__m512bh)_mm512_set1_epi32((int)orow[r][i]);
+            for (int b = 0; b < two; b++) {
+                sc[b][r] = _mm512_dpbf16_ps(sc[b][r], x, (__m512bh)kv[b]);
+                dp[b][r] = _mm512_dpbf16_ps(dp[b][r], y, (__m512bh)vv[b]);
+            }
+        }
+#else
+        (void)qr, (void)orow;
+        __m512 khi[2], klo[2], vhi[2], vlo[2];
+        for (int b = 0; b < two; b++) khi[b] = bf16_hi(kv[b]), klo[b] = bf16_lo(kv[b]), vhi[b] = bf16_hi(vv[b]), vlo[b] = bf16_lo(vv[b]);
+        for (int r = 0; r < BQ; r++) {
+            __m512 qodd = _mm512_set1_ps(qw[r][2 * i + 1]), qeven = _mm512_set1_ps(qw[r][2 * i]);
+            __m512 oodd = _mm512_set1_ps(ow[r][2 * i + 1]), oeven = _mm512_set1_ps(ow[r][2 * i]);
+            for (int b = 0; b < two; b++) {
+                sc[b][r] = _mm512_fmadd_ps(qeven, klo[b], _mm512_fmadd_ps(qodd, khi[b], sc[b][r]));
+                dp[b][r] = _mm512_fmadd_ps(oeven, vlo[b], _mm512_fmadd_ps(oodd, vhi[b], dp[b][r]));
+            }
+        }
+#endif
     }
 }
 
@@ -91,8 +130,8 @@ static plan_t plan(long M, long S) {
     p.delta = p.oi + p.half * D;
     p.flags = p.delta + (p.mp + 15) / 16 * 16;
     p.pt = p.flags + (p.qblocks * p.blocks + 63) / 64 * 16;
-    p.st = p.pt + p.sp * p.qc / 2;
-    p.unit = (p.st + p.sp * p.qc / 2 + 15) / 16 * 16;
+    p.st = p.pt + p.blocks * (p.qc / BQ) * TILE;
+    p.unit = (p.st + p.blocks * (p.qc / BQ) * TILE + 15) / 16 * 16;
     return p;
 }
 
@@ -140,11 +179,8 @@ void attention_backward(const uint16_t *q, const uint16_t *k, const uint16_t *v,
         }
         for (long c0 = 0; c0 < pl.mp; c0 += qc) {
             long cblocks = (pl.mp - c0 < qc ? pl.mp - c0 : qc) / BQ, cq = c0 / BQ;
-            /* pass 1: per block of BQ queries, every key block they see. Eight blocks a task, so that
-               one thread fills each 64-byte line of PT and ST (a key's transposed p or ds for 32
-               queries): at four, two threads wrote parts of the same lines and passed them back and
-               forth, 10-16% of the kernel's time */
-#pragma omp for schedule(dynamic, 8)
+            /* pass 1: per block of BQ queries, every key block they see */
+#pragma omp for schedule(dynamic, 4)
             for (long item = 0; item < units * cblocks; item++) {
                 long n = item / cblocks, qb = cq + item % cblocks, m0 = qb * BQ, b = n / H;
                 long rows = M - m0 < BQ ? M - m0 : BQ; /* >= 1: mp rounds M up by less than BQ */
@@ -179,13 +215,10 @@ void attention_backward(const uint16_t *q, const uint16_t *k, const uint16_t *v,
                     __m512 sc[2][QB], dp[2][QB];
                     const uint32_t *kb[2], *vb[2];
                     for (int t = 0; t < two; t++) kb[t] = KP(n) + seen_blocks[t] * 512, vb[t] = VP(n) + seen_blocks[t] * 512;
-                    if (two == 2) {
-                        block_products(kb, qr, qw, BQ, 2, sc);
-                        block_products(vb, orow, ow, BQ, 2, dp);
-                    } else {
-                        block_products(kb, qr, qw, BQ, 1, sc);
-                        block_products(vb, orow, ow, BQ, 1, dp);
-                    }
+                    if (two == 2)
+                        score_and_dp(kb, vb, qr, orow, qw, ow, 2, sc, dp);
+                    else
+                        score_and_dp(kb, vb, qr, orow, qw, ow, 1, sc, dp);
                     for (int t = 0; t < two; t++) {
                         long j = seen_blocks[t];
                         FLAGS(n)[qb * blocks + j] = 1;
@@ -198,8 +231,8 @@ void attention_backward(const uint16_t *q, const uint16_t *k, const uint16_t *v,
                             sl[r] = (__m256i)_mm512_cvtneps_pbh(ds);
                             sb[r] = _mm512_castsi256_si512(sl[r]);
                         }
-                        store_pairs(pb, PT(n) + j * 16 * (qc / 2) + (m0 - c0) / 2, qc / 2);
-                        store_pairs(sl, ST(n) + j * 16 * (qc / 2) + (m0 - c0) / 2, qc / 2);
+                        store_tile(pb, PT(n) + (j * (qc / BQ) + qb - cq) * TILE);
+                        store_tile(sl, ST(n) + (j * (qc / BQ) + qb - cq) * TILE);
                         const uint32_t *kpair = KI(n) + j * 8 * D;
                         for (int i = 0; i < 8; i++) { /* dq += ds k over the block's key pairs */
                             __m512bh k0 = (__m512bh)_mm512_load_si512(kpair + i * D), k1 = (__m512bh)_mm512_load_si512(kpair + i * D + 16);
@@ -230,12 +263,13 @@ void attention_backward(const uint16_t *q, const uint16_t *k, const uint16_t *v,
                         for (int c = 0; c < 4; c++) acc[t][c] = _mm512_setzero_ps();
                     for (long qb = cq; qb < cq + cblocks; qb++) {
                         if (!FLAGS(n)[qb * blocks + j]) continue;
-                        for (long i = qb * BQ / 2; i < (qb + 1) * BQ / 2; i++) {
-                            const uint32_t *x = rowsi + i * D;
+                        const uint32_t *tile = weights + (j * (qc / BQ) + qb - cq) * TILE + (s0 % 16) * 2;
+                        for (int pair = 0; pair < BQ / 2; pair++) {
+                            const uint32_t *x = rowsi + (qb * BQ / 2 + pair) * D;
                             __m512bh x0 = (__m512bh)_mm512_load_si512(x), x1 = (__m512bh)_mm512_load_si512(x + 16);
                             __m512bh x2 = (__m512bh)_mm512_load_si512(x + 32), x3 = (__m512bh)_mm512_load_si512(x + 48);
                             for (int t = 0; t < BK; t++) {
-                                __m512bh y = (__m512bh)_mm512_set1_epi32((int)weights[(s0 + t) * (qc / 2) + i - c0 / 2]);
+                                __m512bh y = (__m512bh)_mm512_set1_epi32((int)tile[2 * t + pair]);
                                 acc[t][0] = _mm512_dpbf16_ps(acc[t][0], y, x0);
                                 acc[t][1] = _mm512_dpbf16_ps(acc[t][1], y, x1);
                                 acc[t][2] = _mm512_dpbf16_ps(acc[t][2], y, x2);
