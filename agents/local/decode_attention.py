@@ -255,13 +255,14 @@ static void score_each(const uint16_t *k, long n, long kss, const uint16_t **qm,
         for (long s = n; s < width; s++) scores[m * width + s] = MASKED;
 }
 
-/* scores -> exp(score - peak[m]) in place (0 where masked); adds each row's sum to total[m] */
-static void weigh(float *scores, long width, long M, const float *peak, float *total) {
+/* scores -> exp(score - peak[m]) in place (0 where masked) for columns [from, to) (multiples of
+   16; the rest are masked and never read); adds each row's sum to total[m] */
+static void weigh_span(float *scores, long width, long from, long to, long M, const float *peak, float *total) {
     const __m512 masked = _mm512_set1_ps(MASKED);
     for (long m = 0; m < M; m++) {
         float *row = scores + m * width;
         __m512 top = _mm512_set1_ps(peak[m]), sum = _mm512_setzero_ps();
-        for (long s = 0; s < width; s += 16) {
+        for (long s = from; s < to; s += 16) {
             __m512 x = _mm512_load_ps(row + s);
             __mmask16 live = _mm512_cmp_ps_mask(x, masked, _CMP_GT_OQ);
             __m512 w = _mm512_maskz_mov_ps(live, exp_neg(_mm512_sub_ps(x, top)));
@@ -271,6 +272,8 @@ static void weigh(float *scores, long width, long M, const float *peak, float *t
         total[m] += _mm512_reduce_add_ps(sum);
     }
 }
+
+static void weigh(float *scores, long width, long M, const float *peak, float *total) { weigh_span(scores, width, 0, width, M, peak, total); }
 
 /* acc[m] += w[m][s] * (r0, r1, r2, r3) for queries m < M: one value row's four vectors. A query
    whose weight is 0 (a masked key) adds nothing, not even 0 x a stray NaN. */
@@ -450,7 +453,7 @@ int block_attention(const uint16_t *q, const uint16_t *k, const uint16_t *v, con
             long span[2] = {blocks, 0};
             score_packed(kp, S, qm, visible ? seen : NULL, rows, scale, scores, width, peak, span);
             long first = span[0] * 16, last = span[1] * 16 < S ? span[1] * 16 : S; /* keys past these weigh 0 */
-            weigh(scores, width, rows, peak, total);
+            weigh_span(scores, width, first, span[1] * 16, rows, peak, total); /* a causal block's later keys: no exps */
             for (int r = 0; r < rows; r++)
                 lse[(b * H + h) * M + m0 + r] = peak[r] == MASKED ? -INFINITY : peak[r] + logf(total[r]);
             for (int r0 = 0; r0 < rows; r0 += PB) { /* PB queries' accumulators stay in registers */
