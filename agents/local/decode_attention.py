@@ -48,6 +48,13 @@ ATTENTION_C = r"""
 #define D 64
 #define MASKED (-1e30f)
 #define QB 8
+#define KEYS_AHEAD 16 /* a row's own keys or values fetched this many rows ahead: a decode step's weights have evicted them */
+
+/* the two 64-byte lines of the row KEYS_AHEAD rows past x (rows `stride` elements apart) */
+static inline void fetch_ahead(const uint16_t *x, long stride) {
+    _mm_prefetch((const char *)(x + KEYS_AHEAD * stride), _MM_HINT_T0);
+    _mm_prefetch((const char *)(x + KEYS_AHEAD * stride + 32), _MM_HINT_T0);
+}
 
 /* n keys sixteen to a vector: kp gets blocks x 32 x 16 dwords, lane = key, one pair of
    dimensions per vector (zero past n) */
@@ -55,6 +62,7 @@ static void pack_keys(const uint16_t *k, long n, long kss, uint32_t *kp) {
     long blocks = (n + 15) / 16;
     memset(kp, 0, sizeof(uint32_t) * blocks * 512);
     for (long s = 0; s < n; s++) {
+        fetch_ahead(k + s * kss, kss);
         const uint32_t *ks = (const uint32_t *)(k + s * kss);
         uint32_t *dst = kp + (s / 16) * 512 + (s % 16);
         for (int i = 0; i < 32; i++) dst[i * 16] = ks[i];
@@ -66,6 +74,7 @@ static void widen_values(const uint16_t *v, long n, long vss, long width, float 
     memset(vf + n * D, 0, sizeof(float) * (width - n) * D);
     for (long s = 0; s < n; s++) {
         const uint16_t *vs = v + s * vss;
+        fetch_ahead(vs, vss);
         for (int c = 0; c < 4; c++) {
             __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vs + 16 * c)));
             _mm512_storeu_ps(vf + s * D + 16 * c, _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)));
@@ -206,6 +215,7 @@ static inline __attribute__((always_inline)) void each_fixed(const uint16_t *k, 
     }
     for (long s = 0; s < n; s++) {
         const uint16_t *ks = k + s * kss;
+        fetch_ahead(ks, kss);
         __m512i b0 = _mm512_loadu_si512(ks), b1 = _mm512_loadu_si512(ks + 32);
         __m512 k0 = bf16_hi(b0), k1 = bf16_lo(b0), k2 = bf16_hi(b1), k3 = bf16_lo(b1);
         for (int m = 0; m < M; m++) {
@@ -312,6 +322,7 @@ static inline __attribute__((always_inline)) void pairs_loop(const uint16_t *v, 
         for (int c = 0; c < 4; c++) a[m][c] = acc[m][c];
     for (long s = 0; s < n; s++) {
         const uint16_t *vs = v + s * vss;
+        fetch_ahead(vs, vss);
         __m512i v0 = _mm512_loadu_si512(vs), v1 = _mm512_loadu_si512(vs + 32);
         __m512 r0 = bf16_lo(v0), r1 = bf16_hi(v0), r2 = bf16_lo(v1), r3 = bf16_hi(v1);
         ADD_ROW(a, M, w, width, s, r0, r1, r2, r3);
@@ -321,25 +332,27 @@ static inline __attribute__((always_inline)) void pairs_loop(const uint16_t *v, 
 }
 
 /* Each query's sums run in s order whatever M is: the same bits for a query alone or among
-   others. A decode step's few queries take a loop of constant size. */
+   others. The queries go four at a time through a loop of constant size, their sums in registers
+   (a loop over all M, above four, kept them in memory: a drafted step's values took longer than
+   its scores). */
 static void add_values(const float *vf, long n, const float *w, long width, long M, __m512 acc[16][4]) {
-    switch (M) {
-        case 1: values_loop(vf, n, w, width, 1, acc); return;
-        case 2: values_loop(vf, n, w, width, 2, acc); return;
-        case 3: values_loop(vf, n, w, width, 3, acc); return;
-        case 4: values_loop(vf, n, w, width, 4, acc); return;
-        default: values_loop(vf, n, w, width, M, acc);
-    }
+    for (long m0 = 0; m0 < M; m0 += 4)
+        switch (M - m0 < 4 ? M - m0 : 4) {
+            case 1: values_loop(vf, n, w + m0 * width, width, 1, acc + m0); break;
+            case 2: values_loop(vf, n, w + m0 * width, width, 2, acc + m0); break;
+            case 3: values_loop(vf, n, w + m0 * width, width, 3, acc + m0); break;
+            default: values_loop(vf, n, w + m0 * width, width, 4, acc + m0);
+        }
 }
 
 static void add_pairs(const uint16_t *v, long n, long vss, const float *w, long width, long M, __m512 acc[16][4]) {
-    switch (M) {
-        case 1: pairs_loop(v, n, vss, w, width, 1, acc); return;
-        case 2: pairs_loop(v, n, vss, w, width, 2, acc); return;
-        case 3: pairs_loop(v, n, vss, w, width, 3, acc); return;
-        case 4: pairs_loop(v, n, vss, w, width, 4, acc); return;
-        default: pairs_loop(v, n, vss, w, width, M, acc);
-    }
+    for (long m0 = 0; m0 < M; m0 += 4)
+        switch (M - m0 < 4 ? M - m0 : 4) {
+            case 1: pairs_loop(v, n, vss, w + m0 * width, width, 1, acc + m0); break;
+            case 2: pairs_loop(v, n, vss, w + m0 * width, width, 2, acc + m0); break;
+            case 3: pairs_loop(v, n, vss, w + m0 * width, width, 3, acc + m0); break;
+            default: pairs_loop(v, n, vss, w + m0 * width, width, 4, acc + m0);
+        }
 }
 
 static void interleave(__m512 acc[4], float *row) {
