@@ -13,10 +13,10 @@ softmax weights and their gradients to bf16 before the last three products. Sixt
 block, blocks a query block sees none of are skipped. Two passes per kv head:
 
 1. query blocks over key blocks, two key blocks at a time as in the forward kernel
-   (`score_and_dp`: `block_products`' sums, over keys and values at once): the scores again (bit for bit the forward kernel's), the weights
-   `p = exp(score - lse)`, `dp = dO . v`, `ds = p (dp - delta)` with `delta = dO . O`; the
-   query gradient `scale * sum_s ds k_s`; `p` and `ds` kept, a 128-byte tile for each block of
-   four queries and sixteen keys.
+   (`score_and_dp`: `block_products`' sums, over keys and values at once): the scores again
+   (bit for bit the forward kernel's), the weights `p = exp(score - lse)`, `dp = dO . v`,
+   `ds = p (dp - delta)` with `delta = dO . O`; the query gradient `scale * sum_s ds k_s`;
+   `p` and `ds` kept, a 128-byte tile for each block of four queries and sixteen keys.
 2. key blocks over query pairs: `dV = sum_m p dO_m` and `dK = scale * sum_m ds q_m`, their
    accumulators in registers.
 
