@@ -84,6 +84,27 @@ def test_strided_keys_as_a_growing_cache_holds_them() -> None:
 
 
 @requires_kernel
+@pytest.mark.parametrize("queries", [1, 3, 4])
+def test_a_key_scores_the_same_sixteen_at_a_time_as_alone(queries: int) -> None:
+    """A row's keys are scored sixteen at a time, the last S % 16 one at a time. Each key copied
+    past the last sixteen, and each copy alone visible: the log-sum-exp is then that key's score,
+    and it must come out the same bits from either loop (and from key t's lane, not another's)."""
+    torch.manual_seed(3)
+    q = torch.randn(2, 3, queries, 64).to(torch.bfloat16)
+    k = (torch.randn(2, 3, 33, 64) * 2).to(torch.bfloat16)
+    v = torch.randn(2, 3, 33, 64).to(torch.bfloat16)
+    for t in range(32):
+        k[:, :, 32] = k[:, :, t]
+        alone = torch.zeros(2, 1, 33, dtype=torch.bool)
+        alone[:, :, t] = True
+        in_block = own_attention(q, k, v, alone, 0.125)
+        alone[:, :, t], alone[:, :, 32] = False, True
+        one_by_one = own_attention(q, k, v, alone, 0.125)
+        assert in_block is not None and one_by_one is not None
+        assert torch.equal(in_block[1], one_by_one[1]), t
+
+
+@requires_kernel
 @pytest.mark.parametrize(("batch", "q_len", "prefix", "own"), [(12, 1, 300, 90), (100, 1, 269, 220), (6, 5, 50, 31)])
 def test_split_attention_with_the_kernel_matches_the_flash_path(batch: int, q_len: int, prefix: int, own: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """The whole decode attention (prefix part, own part, merge) with and without the kernel:
