@@ -246,7 +246,6 @@ def test_a_bf16_policy_samples_through_the_kernel_as_exactly_as_through_flash(ti
         assert gap.numel() >= 30 and float(gap.mean()) < 0.15 and float(gap.max()) < 1.0, (switch, float(gap.mean()), float(gap.max()))
 
 
-
 @requires_kernel
 @pytest.mark.parametrize(
     ("batch", "queries", "q_len", "keys"),
@@ -286,7 +285,9 @@ def test_the_block_kernel_reads_one_shared_prefix_for_every_row() -> None:
 
 @requires_kernel
 @pytest.mark.parametrize(("batch", "q_len", "prefix", "own"), [(4, 40, 269, 60), (3, 5, 50, 31), (100, 1, 269, 220)])
-def test_split_attention_with_a_bf16_prefix_is_closer_to_fp64_than_flash(batch: int, q_len: int, prefix: int, own: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_split_attention_with_a_bf16_prefix_is_closer_to_fp64_than_flash(
+    batch: int, q_len: int, prefix: int, own: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The sampler's prefill and decode steps behind a bf16 shared prompt: the block kernel for
     the prompt's part (and a prefill's own part), against the flash path on the prompt's fp32
     copy; within bf16 rounding of each other, and the kernels' the closer to fp64."""
