@@ -226,13 +226,25 @@ static inline __m512 sums16(const __m512 p[16]) {
    each key once for them all, then the FMAs the emulated instruction runs, in its order (odd
    elements, then even): the same bits, without unpacking both operands at every product. Keys
    go sixteen at a time (`sums16`) where the visibility rows are contiguous, the rest one by one. */
+/* a row of D bf16 as four fp32 vectors: odd elements of its first half, even ones, then the second half's */
+static inline void widen_row(const uint16_t *row, __m512 out[4]) {
+    __m512i a0 = _mm512_loadu_si512(row), a1 = _mm512_loadu_si512(row + 32);
+    out[0] = bf16_hi(a0), out[1] = bf16_lo(a0), out[2] = bf16_hi(a1), out[3] = bf16_lo(a1);
+}
+
+/* a query's and a key's four widened vectors multiplied and summed lane by lane, in the emulated
+   instruction's order */
+static inline __m512 products(const __m512 q[4], const __m512 k[4]) {
+    __m512 acc = _mm512_fmadd_ps(q[0], k[0], _mm512_setzero_ps());
+    acc = _mm512_fmadd_ps(q[1], k[1], acc);
+    acc = _mm512_fmadd_ps(q[2], k[2], acc);
+    return _mm512_fmadd_ps(q[3], k[3], acc);
+}
+
 static inline __attribute__((always_inline)) void each_fixed(const uint16_t *k, long n, long kss, const uint16_t **qm, const uint8_t **seen,
                                                              long iss, const int M, float scale, float *scores, long width, float *peak) {
-    __m512 qw[4][4];
-    for (int m = 0; m < M; m++) {
-        __m512i a0 = _mm512_loadu_si512(qm[m]), a1 = _mm512_loadu_si512(qm[m] + 32);
-        qw[m][0] = bf16_hi(a0), qw[m][1] = bf16_lo(a0), qw[m][2] = bf16_hi(a1), qw[m][3] = bf16_lo(a1);
-    }
+    __m512 qw[4][4], kw[4];
+    for (int m = 0; m < M; m++) widen_row(qm[m], qw[m]);
     long s = 0;
     if (iss == 1) {
         const __m512 masked = _mm512_set1_ps(MASKED), scaled = _mm512_set1_ps(scale);
@@ -240,16 +252,9 @@ static inline __attribute__((always_inline)) void each_fixed(const uint16_t *k, 
         for (int m = 0; m < M; m++) top[m] = masked;
         for (; s + 16 <= n; s += 16) {
             for (int t = 0; t < 16; t++) {
-                const uint16_t *ks = k + (s + t) * kss;
-                fetch_ahead(ks, kss);
-                __m512i b0 = _mm512_loadu_si512(ks), b1 = _mm512_loadu_si512(ks + 32);
-                __m512 k0 = bf16_hi(b0), k1 = bf16_lo(b0), k2 = bf16_hi(b1), k3 = bf16_lo(b1);
-                for (int m = 0; m < M; m++) {
-                    __m512 acc = _mm512_fmadd_ps(qw[m][0], k0, _mm512_setzero_ps());
-                    acc = _mm512_fmadd_ps(qw[m][1], k1, acc);
-                    acc = _mm512_fmadd_ps(qw[m][2], k2, acc);
-                    part[m][t] = _mm512_fmadd_ps(qw[m][3], k3, acc);
-                }
+                fetch_ahead(k + (s + t) * kss, kss);
+                widen_row(k + (s + t) * kss, kw);
+                for (int m = 0; m < M; m++) part[m][t] = products(qw[m], kw);
             }
             for (int m = 0; m < M; m++) {
                 __m128i bytes = _mm_loadu_si128((const __m128i *)(seen[m] + s));
@@ -264,18 +269,12 @@ static inline __attribute__((always_inline)) void each_fixed(const uint16_t *k, 
         }
     }
     for (; s < n; s++) {
-        const uint16_t *ks = k + s * kss;
-        fetch_ahead(ks, kss);
-        __m512i b0 = _mm512_loadu_si512(ks), b1 = _mm512_loadu_si512(ks + 32);
-        __m512 k0 = bf16_hi(b0), k1 = bf16_lo(b0), k2 = bf16_hi(b1), k3 = bf16_lo(b1);
+        fetch_ahead(k + s * kss, kss);
+        widen_row(k + s * kss, kw);
         for (int m = 0; m < M; m++) {
             float score = MASKED;
             if (seen[m][s * iss]) {
-                __m512 acc = _mm512_fmadd_ps(qw[m][0], k0, _mm512_setzero_ps());
-                acc = _mm512_fmadd_ps(qw[m][1], k1, acc);
-                acc = _mm512_fmadd_ps(qw[m][2], k2, acc);
-                acc = _mm512_fmadd_ps(qw[m][3], k3, acc);
-                score = _mm512_reduce_add_ps(acc) * scale;
+                score = _mm512_reduce_add_ps(products(qw[m], kw)) * scale;
                 if (score > peak[m]) peak[m] = score;
             }
             scores[m * width + s] = score;
