@@ -98,6 +98,35 @@ static inline void *aligned64(size_t bytes) { return aligned_alloc(64, slice64(b
 static inline char *thread_scratch(int threads, size_t bytes) { return aligned64((size_t)(threads > 0 ? threads : 1) * slice64(bytes) + 64); }
 static inline void *own_slice(char *scratch, size_t bytes) { return scratch + (size_t)omp_get_thread_num() * slice64(bytes); }
 
+/* A parallel loop's units in shares: each thread of a team owns an equal, contiguous share and
+   takes its units from the front; a thread done with its own takes the others' from their backs.
+   A thread's units stay contiguous where nobody is late (a kernel keeps what it packed for the
+   last unit: `pair_wide`'s panel), and a thread that runs slower, as one of a 2-vCPU VM's does at
+   times, is not waited for. `shares` holds a 64-byte line a thread (`share_lines`), each
+   [front, back) in one word; `share_units` fills them for the calling team (then a barrier). */
+static inline size_t share_lines(int threads) { return sizeof(uint64_t) * 8 * (size_t)(threads > 0 ? threads : 1); }
+static inline void share_units(uint64_t *shares, long units) {
+    int team = omp_get_num_threads();
+#pragma omp single
+    for (int i = 0; i < team; i++) shares[8 * i] = ((uint64_t)(units * (i + 1) / team) << 32) | (uint64_t)(units * i / team);
+}
+/* The next unit for this thread (visit v: its own share's front at 0, then thread me + v's back),
+   or -1 when that share is empty. Units below 2^32. */
+static inline long take_unit(uint64_t *shares, int v) {
+    int team = omp_get_num_threads();
+    uint64_t *span = shares + 8 * ((omp_get_thread_num() + v) % team), old = __atomic_load_n(span, __ATOMIC_RELAXED);
+    for (;;) {
+        uint64_t front = old & 0xffffffffu, back = old >> 32;
+        if (front >= back) return -1;
+        uint64_t next = v ? ((back - 1) << 32) | front : (back << 32) | (front + 1);
+        if (__atomic_compare_exchange_n(span, &old, next, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) return (long)(v ? back - 1 : front);
+    }
+}
+/* for (u over this thread's units, v its visit): `FOR_UNITS(shares, u, v) { ... }` in a parallel region */
+#define FOR_UNITS(shares, u, v) \
+    for (int v = 0; v < omp_get_num_threads(); v++) \
+        for (long u; (u = take_unit((shares), v)) >= 0;)
+
 """
 
 

@@ -37,7 +37,10 @@ weights are more than the caches hold), in four streams a thread (a group's four
 pair loop and `pair_rows` fetch each stream `AHEAD` lines ahead of their loads: over those 212 MB
 (2-core Ice Lake, alternated, ad hoc `stream_ab.py`, `pf_ab.py`) 1-16 rows ran 5-17% faster,
 more while the host was slow, and 24 rows or more within the noise. `pair_wide` reads a
-group's weights once for many rows and gained nothing from it.
+group's weights once for many rows and gained nothing from it; it fetches the next group's into
+L2 while a group's tiles run instead, and shares its tiles out so that a thread the host slows is
+not waited for (`FOR_UNITS`): a 100-row decode step's products 2.8% faster (median of 16
+alternated pairs, 0.83-1.17), 1,000 rows within the noise (ad hoc `wide_ab.py`).
 
 Only for inference (the packed ops have no backward) and only where `packable` says the CPU and
 the dtype take it; `tests/agents/local/test_packed.py` holds the results to `F.linear`'s.
@@ -141,10 +144,15 @@ void pair_linear(const uint16_t *x, const uint32_t *w, const float *bias, uint16
 #define WIDE_ROWS 96 /* fewer: `pair_rows` was as fast or faster (ad hoc `cross_ab.py`: the panel 0.83-0.97x at 16-32 rows, 0.96-1.05x at 48-80, 1.03-1.13x at 100-240) */
 #define FEW_ROWS 3 /* fewer: the pair loop, which widens nothing, was as fast or faster than `pair_rows` (ad hoc `rows_ab.py`) */
 
-/* acc += R rows, widened and swapped (`widen_swapped`), times the panel's 2 pairs rows of C blocks */
+/* acc += R rows, widened and swapped (`widen_swapped`), times the panel's 2 pairs rows of C blocks;
+   meanwhile `lines` lines of `ahead` into L2, one every `every` products (the next group's weights) */
 static inline __attribute__((always_inline)) void wide_tile(const float *xs, long K, const float *panel, long pairs, int R, int C,
-                                                            __m512 acc[WR][CB]) {
-    for (long s = 0; s < 2 * pairs; s++) {
+                                                            __m512 acc[WR][CB], const char *ahead, long lines, long every) {
+    for (long s = 0, line = 0, due = 0; s < 2 * pairs; s++) {
+        if (s == due && line < lines) {
+            _mm_prefetch(ahead + 64 * line++, _MM_HINT_T1);
+            due += every;
+        }
         const float *p = panel + s * CB * 16;
         __m512 wv[CB];
 #pragma GCC unroll 4
@@ -223,60 +231,65 @@ static void pair_rows(const uint16_t *x, const uint32_t *w, const float *bias, u
     free(xw);
 }
 
+/* Each thread a share of the (group, row tile) units (`FOR_UNITS`): a group's panel is widened
+   once for its run of tiles, and while they run, the next group's weights come into L2 from
+   memory, a slice a tile (a group of 100 rows, a decode step's, had waited for them when it
+   widened its panel). */
 static void pair_wide(const uint16_t *x, const uint32_t *w, const float *bias, uint16_t *y, long M, long K, long N, int threads) {
     long blocks = N / 16, groups = (blocks + CB - 1) / CB, pairs = K / 2, tiles = (M + WR - 1) / WR;
     size_t bytes = sizeof(float) * pairs * 2 * CB * 16; /* a thread's panel */
     float *xw = aligned64(sizeof(float) * (M * K + 16));
     char *panels = thread_scratch(threads, bytes);
-    if (!xw || !panels) { /* no room for the widened rows or panels: the pair loop needs neither */
+    uint64_t *shares = aligned64(share_lines(threads));
+    if (!xw || !panels || !shares) { /* no room for the widened rows or panels: the pair loop needs neither */
         free(xw);
         free(panels);
+        free(shares);
         pair_dot(x, w, bias, y, M, K, N, threads);
         return;
     }
-    long chunks = (16 * threads + groups - 1) / groups; /* row chunks a group: enough tasks to share evenly */
-    if (chunks > tiles) chunks = tiles;
-    long per = (tiles + chunks - 1) / chunks * WR; /* rows a chunk */
-    chunks = (M + per - 1) / per;
+    long slice = (2 * K + tiles - 1) / tiles, every = 2 * pairs / slice > 0 ? 2 * pairs / slice : 1; /* a full group is 2 K lines */
 #pragma omp parallel num_threads(threads)
     {
+        share_units(shares, groups * tiles);
         widen_swapped(x, M, K, xw);
         float *panel = own_slice(panels, bytes);
         long held = -1; /* the group whose weights the panel holds */
-#pragma omp for collapse(2) schedule(static)
-        for (long g = 0; g < groups; g++)
-            for (long t = 0; t < chunks; t++) {
-                long b0 = g * CB, cb = blocks - b0 < CB ? blocks - b0 : CB;
-                if (held != g) {
-                    const uint32_t *wg = w + b0 * pairs * 16;
-                    for (long i = 0; i < pairs; i++)
-                        for (int c = 0; c < cb; c++) {
-                            __m512i v = _mm512_load_si512(wg + (c * pairs + i) * 16);
-                            _mm512_store_ps(panel + (2 * i) * CB * 16 + c * 16, bf16_hi(v));
-                            _mm512_store_ps(panel + (2 * i + 1) * CB * 16 + c * 16, bf16_lo(v));
-                        }
-                    held = g;
-                }
-                long end = (t + 1) * per < M ? (t + 1) * per : M;
-                for (long r0 = t * per; r0 < end; r0 += WR) {
-                    int rows = end - r0 < WR ? (int)(end - r0) : WR;
-                    __m512 acc[WR][CB];
-                    for (int r = 0; r < WR; r++)
-                        for (int c = 0; c < CB; c++) acc[r][c] = _mm512_setzero_ps();
-                    const float *xr = xw + r0 * K;
-                    if (cb < CB) wide_tile(xr, K, panel, pairs, rows, (int)cb, acc);
-                    else switch (rows) { /* each a tile of constant shape */
-                        case 6: wide_tile(xr, K, panel, pairs, 6, CB, acc); break;
-                        case 5: wide_tile(xr, K, panel, pairs, 5, CB, acc); break;
-                        case 4: wide_tile(xr, K, panel, pairs, 4, CB, acc); break;
-                        case 3: wide_tile(xr, K, panel, pairs, 3, CB, acc); break;
-                        case 2: wide_tile(xr, K, panel, pairs, 2, CB, acc); break;
-                        default: wide_tile(xr, K, panel, pairs, 1, CB, acc);
+        FOR_UNITS(shares, u, v) {
+            long g = u / tiles, t = u % tiles, b0 = g * CB, cb = blocks - b0 < CB ? blocks - b0 : CB, r0 = t * WR;
+            if (held != g) {
+                const uint32_t *wg = w + b0 * pairs * 16;
+                for (long i = 0; i < pairs; i++)
+                    for (int c = 0; c < cb; c++) {
+                        __m512i wv = _mm512_load_si512(wg + (c * pairs + i) * 16);
+                        _mm512_store_ps(panel + (2 * i) * CB * 16 + c * 16, bf16_hi(wv));
+                        _mm512_store_ps(panel + (2 * i + 1) * CB * 16 + c * 16, bf16_lo(wv));
                     }
-                    STORE_ROWS(acc, rows, cb, bias, b0, y, r0, N);
-                }
+                held = g;
             }
+            /* tile t's slice of the next group's lines (a block's are `pairs`), where this thread walks forward */
+            long next = v == 0 && g + 1 < groups ? (blocks - b0 - CB < CB ? blocks - b0 - CB : CB) * pairs : 0;
+            long lines = next - t * slice < slice ? next - t * slice : slice;
+            const char *ahead = (const char *)(w + (b0 + CB) * pairs * 16) + 64 * t * slice;
+            if (lines < 0) lines = 0;
+            int rows = M - r0 < WR ? (int)(M - r0) : WR;
+            __m512 acc[WR][CB];
+            for (int r = 0; r < WR; r++)
+                for (int c = 0; c < CB; c++) acc[r][c] = _mm512_setzero_ps();
+            const float *xr = xw + r0 * K;
+            if (cb < CB) wide_tile(xr, K, panel, pairs, rows, (int)cb, acc, ahead, lines, every);
+            else switch (rows) { /* each a tile of constant shape */
+                case 6: wide_tile(xr, K, panel, pairs, 6, CB, acc, ahead, lines, every); break;
+                case 5: wide_tile(xr, K, panel, pairs, 5, CB, acc, ahead, lines, every); break;
+                case 4: wide_tile(xr, K, panel, pairs, 4, CB, acc, ahead, lines, every); break;
+                case 3: wide_tile(xr, K, panel, pairs, 3, CB, acc, ahead, lines, every); break;
+                case 2: wide_tile(xr, K, panel, pairs, 2, CB, acc, ahead, lines, every); break;
+                default: wide_tile(xr, K, panel, pairs, 1, CB, acc, ahead, lines, every);
+            }
+            STORE_ROWS(acc, rows, cb, bias, b0, y, r0, N);
+        }
     }
+    free(shares);
     free(panels);
     free(xw);
 }

@@ -62,59 +62,64 @@ int step_attention(const uint16_t *q, const uint32_t *kp, const float *vf, const
     size_t sbytes = slice64(sizeof(float) * (M * pwidth + M * owidth + 16)), kbytes = packed ? slice64(sizeof(uint32_t) * (owidth / 16 + 1) * 512) : 0;
     size_t bytes = sbytes + kbytes + (packed ? sizeof(float) * (owidth + 16) * D : 0);
     char *scratch = thread_scratch(threads, bytes);
-    if (!scratch) return -1;
+    uint64_t *shares = aligned64(share_lines(threads));
+    if (!scratch || !shares) {
+        free(scratch);
+        free(shares);
+        return -1;
+    }
 #pragma omp parallel num_threads(threads)
     {
         char *mine = own_slice(scratch, bytes);
         float *sp = (float *)mine, *so = sp + M * pwidth;
         uint32_t *own_kp = packed ? (uint32_t *)(mine + sbytes) : NULL;
         float *own_vf = packed ? (float *)(mine + sbytes + kbytes) : NULL;
-#pragma omp for collapse(2) schedule(static)
-        for (long b = 0; b < B; b++) {
-            for (long h = 0; h < H; h++) {
-                const uint16_t *qm[16];
-                const uint8_t *seen[16];
-                float peak[16], total[16];
-                for (long m = 0; m < M; m++) {
-                    qm[m] = q + b * qsb + (h * G + m / T) * qsh + (m % T) * qst;
-                    seen[m] = visible + b * isb + (m % T) * ist;
-                    peak[m] = MASKED;
-                    total[m] = 0.0f;
-                }
-                const uint16_t *kb = k + b * ksb + h * ksh, *vb = v + b * vsb + h * vsh;
-                if (blocks) score_packed(kp + h * blocks * 512, P, qm, NULL, M, scale, sp, pwidth, peak, NULL);
-                if (packed) {
-                    pack_keys(kb, S, kss, own_kp);
-                    score_packed(own_kp, S, qm, seen, M, scale, so, owidth, peak, NULL);
-                } else {
-                    score_each(kb, S, kss, qm, seen, iss, M, scale, so, owidth, peak);
-                }
-                weigh(sp, pwidth, M, peak, total);
-                weigh(so, owidth, M, peak, total);
-                __m512 accp[16][4], acco[16][4];
-                for (long m = 0; m < M; m++)
-                    for (int c = 0; c < 4; c++) accp[m][c] = acco[m][c] = _mm512_setzero_ps();
-                add_values(vf + h * pwidth * D, P, sp, pwidth, M, accp);
-                if (packed) {
-                    widen_values(vb, S, vss, owidth, own_vf);
-                    add_values(own_vf, S, so, owidth, M, acco);
-                }
-                else add_pairs(vb, S, vss, so, owidth, M, acco);
-                for (long m = 0; m < M; m++) {
-                    float inv = peak[m] == MASKED ? 0.0f : 1.0f / total[m], row[D];
-                    if (packed)
-                        for (int c = 0; c < 4; c++) _mm512_storeu_ps(row + 16 * c, acco[m][c]);
-                    else
-                        interleave(acco[m], row);
-                    uint16_t *o = out + b * osb + (m % T) * ost + (h * G + m / T) * osh;
-                    for (int c = 0; c < 4; c++) {
-                        __m512 x = _mm512_mul_ps(_mm512_add_ps(accp[m][c], _mm512_loadu_ps(row + 16 * c)), _mm512_set1_ps(inv));
-                        _mm256_storeu_si256((__m256i *)(o + 16 * c), (__m256i)_mm512_cvtneps_pbh(x));
-                    }
+        share_units(shares, B * H); /* (row, kv head) units: a thread the host slows is not waited for */
+        FOR_UNITS(shares, unit, visit) {
+            long b = unit / H, h = unit % H;
+            const uint16_t *qm[16];
+            const uint8_t *seen[16];
+            float peak[16], total[16];
+            for (long m = 0; m < M; m++) {
+                qm[m] = q + b * qsb + (h * G + m / T) * qsh + (m % T) * qst;
+                seen[m] = visible + b * isb + (m % T) * ist;
+                peak[m] = MASKED;
+                total[m] = 0.0f;
+            }
+            const uint16_t *kb = k + b * ksb + h * ksh, *vb = v + b * vsb + h * vsh;
+            if (blocks) score_packed(kp + h * blocks * 512, P, qm, NULL, M, scale, sp, pwidth, peak, NULL);
+            if (packed) {
+                pack_keys(kb, S, kss, own_kp);
+                score_packed(own_kp, S, qm, seen, M, scale, so, owidth, peak, NULL);
+            } else {
+                score_each(kb, S, kss, qm, seen, iss, M, scale, so, owidth, peak);
+            }
+            weigh(sp, pwidth, M, peak, total);
+            weigh(so, owidth, M, peak, total);
+            __m512 accp[16][4], acco[16][4];
+            for (long m = 0; m < M; m++)
+                for (int c = 0; c < 4; c++) accp[m][c] = acco[m][c] = _mm512_setzero_ps();
+            add_values(vf + h * pwidth * D, P, sp, pwidth, M, accp);
+            if (packed) {
+                widen_values(vb, S, vss, owidth, own_vf);
+                add_values(own_vf, S, so, owidth, M, acco);
+            }
+            else add_pairs(vb, S, vss, so, owidth, M, acco);
+            for (long m = 0; m < M; m++) {
+                float inv = peak[m] == MASKED ? 0.0f : 1.0f / total[m], row[D];
+                if (packed)
+                    for (int c = 0; c < 4; c++) _mm512_storeu_ps(row + 16 * c, acco[m][c]);
+                else
+                    interleave(acco[m], row);
+                uint16_t *o = out + b * osb + (m % T) * ost + (h * G + m / T) * osh;
+                for (int c = 0; c < 4; c++) {
+                    __m512 x = _mm512_mul_ps(_mm512_add_ps(accp[m][c], _mm512_loadu_ps(row + 16 * c)), _mm512_set1_ps(inv));
+                    _mm256_storeu_si256((__m256i *)(o + 16 * c), (__m256i)_mm512_cvtneps_pbh(x));
                 }
             }
         }
     }
+    free(shares);
     free(scratch);
     return 0;
 }
