@@ -102,9 +102,10 @@ static inline void *own_slice(char *scratch, size_t bytes) { return scratch + (s
    takes its units from the front; a thread done with its own takes the others' from their backs.
    A thread's units stay contiguous where nobody is late (a kernel keeps what it packed for the
    last unit: `pair_wide`'s panel), and a thread that runs slower, as one of a 2-vCPU VM's does at
-   times, is not waited for. `shares` holds a 64-byte line a thread (`share_lines`), each
-   [front, back) in one word; `share_units` fills them for the calling team (then a barrier). */
-static inline size_t share_lines(int threads) { return sizeof(uint64_t) * 8 * (size_t)(threads > 0 ? threads : 1); }
+   times, is not waited for. `SHARES` declares them on the caller's stack, a 64-byte line a
+   thread, each [front, back) in one word; `share_units` fills them for the calling team (then a
+   barrier). */
+#define SHARES(name, threads) uint64_t name[8 * ((threads) > 0 ? (threads) : 1)] __attribute__((aligned(64)))
 static inline void share_units(uint64_t *shares, long units) {
     int team = omp_get_num_threads();
 #pragma omp single

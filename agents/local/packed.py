@@ -37,10 +37,9 @@ weights are more than the caches hold), in four streams a thread (a group's four
 pair loop and `pair_rows` fetch each stream `AHEAD` lines ahead of their loads: over those 212 MB
 (2-core Ice Lake, alternated, ad hoc `stream_ab.py`, `pf_ab.py`) 1-16 rows ran 5-17% faster,
 more while the host was slow, and 24 rows or more within the noise. `pair_wide` reads a
-group's weights once for many rows and gained nothing from it; it fetches the next group's into
-L2 while a group's tiles run instead, and shares its tiles out so that a thread the host slows is
-not waited for (`FOR_UNITS`): a 100-row decode step's products 2.8% faster (median of 16
-alternated pairs, 0.83-1.17), 1,000 rows within the noise (ad hoc `wide_ab.py`).
+group's weights once for many rows and gained nothing from it, nor from fetching the next
+group's while a group's tiles ran (100 rows: 1.00 of the time without; 300 rows: 1.06, ad hoc
+`pf_off.py`).
 
 Only for inference (the packed ops have no backward) and only where `packable` says the CPU and
 the dtype take it; `tests/agents/local/test_packed.py` holds the results to `F.linear`'s.
@@ -96,12 +95,14 @@ static inline __attribute__((always_inline)) void dot_tile(const uint32_t *const
    K / 2 x 16 u32, each one output's pair of inputs (k even | k odd << 16) */
 static void pair_dot(const uint16_t *x, const uint32_t *w, const float *bias, uint16_t *y, long M, long K, long N, int threads) {
     long blocks = N / 16, groups = (blocks + CB - 1) / CB, pairs = K / 2, tiles = (M + RB - 1) / RB;
+    SHARES(shares, threads);
     /* shared out by (group, row tile): SmolLM2's 576 outputs are 9 groups, which two threads
        split 5 to 4 by group alone; a tile's sums are the same on either thread */
-#pragma omp parallel for collapse(2) num_threads(threads) schedule(static)
-    for (long g = 0; g < groups; g++) {
-        for (long t = 0; t < tiles; t++) {
-            long b0 = g * CB, cb = blocks - b0 < CB ? blocks - b0 : CB, r0 = t * RB;
+#pragma omp parallel num_threads(threads)
+    {
+        share_units(shares, groups * tiles);
+        FOR_UNITS(shares, unit, visit) {
+            long g = unit / tiles, t = unit % tiles, b0 = g * CB, cb = blocks - b0 < CB ? blocks - b0 : CB, r0 = t * RB;
             const uint32_t *wg = w + b0 * pairs * 16;
             int rows = M - r0 < RB ? (int)(M - r0) : RB;
             const uint32_t *xr[RB];
@@ -144,15 +145,10 @@ void pair_linear(const uint16_t *x, const uint32_t *w, const float *bias, uint16
 #define WIDE_ROWS 96 /* fewer: `pair_rows` was as fast or faster (ad hoc `cross_ab.py`: the panel 0.83-0.97x at 16-32 rows, 0.96-1.05x at 48-80, 1.03-1.13x at 100-240) */
 #define FEW_ROWS 3 /* fewer: the pair loop, which widens nothing, was as fast or faster than `pair_rows` (ad hoc `rows_ab.py`) */
 
-/* acc += R rows, widened and swapped (`widen_swapped`), times the panel's 2 pairs rows of C blocks;
-   meanwhile `lines` lines of `ahead` into L2, one every `every` products (the next group's weights) */
+/* acc += R rows, widened and swapped (`widen_swapped`), times the panel's 2 pairs rows of C blocks */
 static inline __attribute__((always_inline)) void wide_tile(const float *xs, long K, const float *panel, long pairs, int R, int C,
-                                                            __m512 acc[WR][CB], const char *ahead, long lines, long every) {
-    for (long s = 0, line = 0, due = 0; s < 2 * pairs; s++) {
-        if (s == due && line < lines) {
-            _mm_prefetch(ahead + 64 * line++, _MM_HINT_T1);
-            due += every;
-        }
+                                                            __m512 acc[WR][CB]) {
+    for (long s = 0; s < 2 * pairs; s++) {
         const float *p = panel + s * CB * 16;
         __m512 wv[CB];
 #pragma GCC unroll 4
@@ -204,13 +200,14 @@ static void pair_rows(const uint16_t *x, const uint32_t *w, const float *bias, u
         pair_dot(x, w, bias, y, M, K, N, threads);
         return;
     }
-#pragma omp parallel num_threads(threads) if (M * K >= 65536)
-    widen_swapped(x, M, K, xw);
+    SHARES(shares, threads); /* (group, row tile) units in shares, as `pair_wide`'s */
     long blocks = N / 16, groups = (blocks + CB - 1) / CB, pairs = K / 2, tiles = (M + RB - 1) / RB;
-#pragma omp parallel for collapse(2) num_threads(threads) schedule(static)
-    for (long g = 0; g < groups; g++) {
-        for (long t = 0; t < tiles; t++) {
-            long b0 = g * CB, cb = blocks - b0 < CB ? blocks - b0 : CB, r0 = t * RB;
+#pragma omp parallel num_threads(threads)
+    {
+        share_units(shares, groups * tiles);
+        widen_swapped(x, M, K, xw); /* in the products' region: one team's start a call, not two */
+        FOR_UNITS(shares, unit, visit) {
+            long g = unit / tiles, t = unit % tiles, b0 = g * CB, cb = blocks - b0 < CB ? blocks - b0 : CB, r0 = t * RB;
             const uint32_t *wg = w + b0 * pairs * 16;
             const float *xr = xw + r0 * K;
             int rows = M - r0 < RB ? (int)(M - r0) : RB;
@@ -232,31 +229,27 @@ static void pair_rows(const uint16_t *x, const uint32_t *w, const float *bias, u
 }
 
 /* Each thread a share of the (group, row tile) units (`FOR_UNITS`): a group's panel is widened
-   once for its run of tiles, and while they run, the next group's weights come into L2 from
-   memory, a slice a tile (a group of 100 rows, a decode step's, had waited for them when it
-   widened its panel). */
+   once for its thread's run of its tiles. */
 static void pair_wide(const uint16_t *x, const uint32_t *w, const float *bias, uint16_t *y, long M, long K, long N, int threads) {
     long blocks = N / 16, groups = (blocks + CB - 1) / CB, pairs = K / 2, tiles = (M + WR - 1) / WR;
     size_t bytes = sizeof(float) * pairs * 2 * CB * 16; /* a thread's panel */
     float *xw = aligned64(sizeof(float) * (M * K + 16));
     char *panels = thread_scratch(threads, bytes);
-    uint64_t *shares = aligned64(share_lines(threads));
-    if (!xw || !panels || !shares) { /* no room for the widened rows or panels: the pair loop needs neither */
+    if (!xw || !panels) { /* no room for the widened rows or panels: the pair loop needs neither */
         free(xw);
         free(panels);
-        free(shares);
         pair_dot(x, w, bias, y, M, K, N, threads);
         return;
     }
-    long slice = (2 * K + tiles - 1) / tiles, every = 2 * pairs / slice > 0 ? 2 * pairs / slice : 1; /* a full group is 2 K lines */
+    SHARES(shares, threads);
 #pragma omp parallel num_threads(threads)
     {
         share_units(shares, groups * tiles);
         widen_swapped(x, M, K, xw);
         float *panel = own_slice(panels, bytes);
         long held = -1; /* the group whose weights the panel holds */
-        FOR_UNITS(shares, u, v) {
-            long g = u / tiles, t = u % tiles, b0 = g * CB, cb = blocks - b0 < CB ? blocks - b0 : CB, r0 = t * WR;
+        FOR_UNITS(shares, unit, visit) {
+            long g = unit / tiles, t = unit % tiles, b0 = g * CB, cb = blocks - b0 < CB ? blocks - b0 : CB, r0 = t * WR;
             if (held != g) {
                 const uint32_t *wg = w + b0 * pairs * 16;
                 for (long i = 0; i < pairs; i++)
@@ -267,29 +260,23 @@ static void pair_wide(const uint16_t *x, const uint32_t *w, const float *bias, u
                     }
                 held = g;
             }
-            /* tile t's slice of the next group's lines (a block's are `pairs`), where this thread walks forward */
-            long next = v == 0 && g + 1 < groups ? (blocks - b0 - CB < CB ? blocks - b0 - CB : CB) * pairs : 0;
-            long lines = next - t * slice < slice ? next - t * slice : slice;
-            const char *ahead = (const char *)(w + (b0 + CB) * pairs * 16) + 64 * t * slice;
-            if (lines < 0) lines = 0;
             int rows = M - r0 < WR ? (int)(M - r0) : WR;
             __m512 acc[WR][CB];
             for (int r = 0; r < WR; r++)
                 for (int c = 0; c < CB; c++) acc[r][c] = _mm512_setzero_ps();
             const float *xr = xw + r0 * K;
-            if (cb < CB) wide_tile(xr, K, panel, pairs, rows, (int)cb, acc, ahead, lines, every);
+            if (cb < CB) wide_tile(xr, K, panel, pairs, rows, (int)cb, acc);
             else switch (rows) { /* each a tile of constant shape */
-                case 6: wide_tile(xr, K, panel, pairs, 6, CB, acc, ahead, lines, every); break;
-                case 5: wide_tile(xr, K, panel, pairs, 5, CB, acc, ahead, lines, every); break;
-                case 4: wide_tile(xr, K, panel, pairs, 4, CB, acc, ahead, lines, every); break;
-                case 3: wide_tile(xr, K, panel, pairs, 3, CB, acc, ahead, lines, every); break;
-                case 2: wide_tile(xr, K, panel, pairs, 2, CB, acc, ahead, lines, every); break;
-                default: wide_tile(xr, K, panel, pairs, 1, CB, acc, ahead, lines, every);
+                case 6: wide_tile(xr, K, panel, pairs, 6, CB, acc); break;
+                case 5: wide_tile(xr, K, panel, pairs, 5, CB, acc); break;
+                case 4: wide_tile(xr, K, panel, pairs, 4, CB, acc); break;
+                case 3: wide_tile(xr, K, panel, pairs, 3, CB, acc); break;
+                case 2: wide_tile(xr, K, panel, pairs, 2, CB, acc); break;
+                default: wide_tile(xr, K, panel, pairs, 1, CB, acc);
             }
             STORE_ROWS(acc, rows, cb, bias, b0, y, r0, N);
         }
     }
-    free(shares);
     free(panels);
     free(xw);
 }

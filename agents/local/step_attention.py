@@ -62,12 +62,8 @@ int step_attention(const uint16_t *q, const uint32_t *kp, const float *vf, const
     size_t sbytes = slice64(sizeof(float) * (M * pwidth + M * owidth + 16)), kbytes = packed ? slice64(sizeof(uint32_t) * (owidth / 16 + 1) * 512) : 0;
     size_t bytes = sbytes + kbytes + (packed ? sizeof(float) * (owidth + 16) * D : 0);
     char *scratch = thread_scratch(threads, bytes);
-    uint64_t *shares = aligned64(share_lines(threads));
-    if (!scratch || !shares) {
-        free(scratch);
-        free(shares);
-        return -1;
-    }
+    if (!scratch) return -1;
+    SHARES(shares, threads);
 #pragma omp parallel num_threads(threads)
     {
         char *mine = own_slice(scratch, bytes);
@@ -119,7 +115,6 @@ int step_attention(const uint16_t *q, const uint32_t *kp, const float *vf, const
             }
         }
     }
-    free(shares);
     free(scratch);
     return 0;
 }

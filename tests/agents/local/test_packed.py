@@ -4,6 +4,7 @@ samples, weights that follow the trainer's, and no packing where it does not app
 from __future__ import annotations
 
 import copy
+import itertools
 from pathlib import Path
 from typing import Any
 
@@ -150,10 +151,11 @@ def test_the_widened_pair_kernel_gives_the_same_bits_as_the_pair_products(rows: 
         getattr(lib, name)(x.data_ptr(), layer.packed.data_ptr(), bias_at, out.data_ptr(), rows, 250, 1040, 2)
         outs[name] = out.view(torch.int16)
     assert torch.equal(outs["pair_linear_wide"], outs["pair_linear_dot"])
-    for threads in (1, 3, 5):  # more threads than cores: a thread done with its share takes from the others' (`take_unit`)
+    for name, threads in itertools.product(("pair_linear_dot", "pair_linear_wide", "pair_linear_rows"), (1, 3, 5)):
+        # more threads than cores: a thread done with its share takes from the others' (`take_unit`)
         out = torch.full((rows, 1040), float("nan"), dtype=torch.bfloat16)
-        lib.pair_linear_wide(x.data_ptr(), layer.packed.data_ptr(), layer.wide_bias.data_ptr() if bias else None, out.data_ptr(), rows, 250, 1040, threads)
-        assert torch.equal(out.view(torch.int16), outs["pair_linear_dot"]), threads
+        getattr(lib, name)(x.data_ptr(), layer.packed.data_ptr(), layer.wide_bias.data_ptr() if bias else None, out.data_ptr(), rows, 250, 1040, threads)
+        assert torch.equal(out.view(torch.int16), outs["pair_linear_dot"]), (name, threads)
     assert torch.equal(outs["pair_linear_rows"], outs["pair_linear_dot"])
     assert torch.equal(outs["pair_linear"], outs["pair_linear_dot"])
     exact = x.double() @ linear.weight.double().t() + (linear.bias.double() if bias else 0)
