@@ -486,14 +486,15 @@ int block_attention(const uint16_t *q, const uint16_t *k, const uint16_t *v, con
     size_t bytes = kbytes + vbytes + sizeof(float) * QB * width; /* packed keys, widened values, scores */
     char *scratch = thread_scratch(threads, bytes);
     if (!scratch) return -1;
+    SHARES(shares, threads); /* a thread's run of items keeps its packed keys (`FOR_UNITS`) */
 #pragma omp parallel num_threads(threads)
     {
         char *mine = own_slice(scratch, bytes);
         uint32_t *kp = (uint32_t *)mine;
         float *vf = (float *)(mine + kbytes), *scores = (float *)(mine + kbytes + vbytes);
         const uint16_t *packed_k = NULL, *packed_v = NULL;
-#pragma omp for schedule(static)
-        for (long item = 0; item < B * H * qblocks; item++) {
+        share_units(shares, B * H * qblocks);
+        FOR_UNITS(shares, item, visit) {
             long bh = item / qblocks, m0 = (item % qblocks) * QB, b = bh / H, h = bh % H;
             long rows = M - m0 < QB ? M - m0 : QB;
             const uint16_t *kb = k + b * ksb + h * ksh, *vb = v + b * vsb + h * vsh;

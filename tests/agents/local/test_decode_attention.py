@@ -431,3 +431,17 @@ def test_few_queries_give_each_query_the_fp32_bits_it_gets_among_many(queries: i
     for step in range(copies):
         rows = slice(step * queries, (step + 1) * queries)
         assert torch.equal(few[0], many[0][:, :, rows]) and torch.equal(few[1], many[1][:, :, rows])
+
+
+@requires_kernel
+@pytest.mark.parametrize("threads", [1, 3, 5])
+def test_the_block_kernel_gives_the_same_bits_on_any_number_of_threads(threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Query blocks are shared out (`kernels.FOR_UNITS`): a thread done with its own takes
+    another's from the back, repacking that row's keys; each block is still computed once."""
+    q, k, v, visible = _inputs(9, 45, 15, 70)
+    two = block_attention(q, k, v, visible, 0.125)
+    shared = block_attention(q, k[:1], v[:1], None, 0.125)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    assert two is not None and shared is not None
+    for got, want in ((block_attention(q, k, v, visible, 0.125), two), (block_attention(q, k[:1], v[:1], None, 0.125), shared)):
+        assert got is not None and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

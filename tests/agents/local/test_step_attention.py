@@ -136,3 +136,14 @@ def test_few_queries_give_each_query_the_bits_it_gets_among_many(group: int, mon
     many = step_attention(torch.cat([query] * copies, 2), prefix, key, value, torch.cat([visible] * copies, 1), 0.125)
     assert few is not None and many is not None
     assert all(torch.equal(few[:, 0], many[:, step]) for step in range(copies))
+
+
+@pytest.mark.parametrize("threads", [1, 3, 5])
+def test_any_number_of_threads_gives_the_same_bits(threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows are shared out (`kernels.FOR_UNITS`): with more threads than cores, a thread done with
+    its own rows takes another's; every (row, kv head) is still computed once, the same way."""
+    query, prefix_k, prefix_v, key, value, visible = _inputs(37, 2, 40, 50)
+    packed = pack_prefix(prefix_k, prefix_v)
+    two = step_attention(query, packed, key, value, visible, 0.125)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    assert two is not None and torch.equal(step_attention(query, packed, key, value, visible, 0.125), two)
