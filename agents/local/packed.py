@@ -229,7 +229,7 @@ static void pair_rows(const uint16_t *x, const uint32_t *w, const float *bias, u
 }
 
 /* Each thread a share of the (group, row tile) units (`FOR_UNITS`): a group's panel is widened
-   once for its thread's run of its tiles. */
+   once for each run of its tiles that a thread takes. */
 static void pair_wide(const uint16_t *x, const uint32_t *w, const float *bias, uint16_t *y, long M, long K, long N, int threads) {
     long blocks = N / 16, groups = (blocks + CB - 1) / CB, pairs = K / 2, tiles = (M + WR - 1) / WR;
     size_t bytes = sizeof(float) * pairs * 2 * CB * 16; /* a thread's panel */
