@@ -144,18 +144,17 @@ def test_the_widened_pair_kernel_gives_the_same_bits_as_the_pair_products(rows: 
     linear = nn.Linear(250, 1040, bias=bias).to(torch.bfloat16)  # 125 pairs; 65 blocks: 16 groups of 4, and 1
     layer = PackedLinear(linear.weight, linear.bias)
     x = (torch.randn(rows, 250) * torch.randn(rows, 250).mul(3).exp()).to(torch.bfloat16)  # magnitudes far apart: an order changes the rounding
-    outs = {}
-    for name in ("pair_linear_dot", "pair_linear_wide", "pair_linear_rows", "pair_linear"):
+
+    def run(name: str, threads: int = 2) -> torch.Tensor:
         out = torch.full((rows, 1040), float("nan"), dtype=torch.bfloat16)
-        bias_at = layer.wide_bias.data_ptr() if bias else None
-        getattr(lib, name)(x.data_ptr(), layer.packed.data_ptr(), bias_at, out.data_ptr(), rows, 250, 1040, 2)
-        outs[name] = out.view(torch.int16)
+        getattr(lib, name)(x.data_ptr(), layer.packed.data_ptr(), layer.wide_bias.data_ptr() if bias else None, out.data_ptr(), rows, 250, 1040, threads)
+        return out.view(torch.int16)
+
+    outs = {name: run(name) for name in ("pair_linear_dot", "pair_linear_wide", "pair_linear_rows", "pair_linear")}
     assert torch.equal(outs["pair_linear_wide"], outs["pair_linear_dot"])
     for name, threads in itertools.product(("pair_linear_dot", "pair_linear_wide", "pair_linear_rows"), (1, 3, 5)):
         # more threads than cores: a thread done with its share takes from the others' (`take_unit`)
-        out = torch.full((rows, 1040), float("nan"), dtype=torch.bfloat16)
-        getattr(lib, name)(x.data_ptr(), layer.packed.data_ptr(), layer.wide_bias.data_ptr() if bias else None, out.data_ptr(), rows, 250, 1040, threads)
-        assert torch.equal(out.view(torch.int16), outs["pair_linear_dot"]), (name, threads)
+        assert torch.equal(run(name, threads), outs["pair_linear_dot"]), (name, threads)
     assert torch.equal(outs["pair_linear_rows"], outs["pair_linear_dot"])
     assert torch.equal(outs["pair_linear"], outs["pair_linear_dot"])
     exact = x.double() @ linear.weight.double().t() + (linear.bias.double() if bias else 0)
