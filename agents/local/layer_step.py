@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 from cgym.agents.local import kv_cache, packed, step_attention
-from cgym.agents.local.decode_attention import FEW_QUERIES, HEAD_DIM, MAX_QUERIES
+from cgym.agents.local.decode_attention import FEW_QUERIES, HEAD_DIM
 from cgym.agents.local.kernels import C_HEADER, compiled, enabled
 from torch import Tensor, nn
 
@@ -169,7 +169,7 @@ def stack_step(
         hidden.dtype == cos.dtype == sin.dtype == torch.bfloat16
         and hidden.is_contiguous()
         and width % 16 == 0
-        and shape[0] // shape[1] * steps <= MAX_QUERIES
+        and shape[0] // shape[1] * steps <= step_attention.query_limit()
         and cos.shape == sin.shape == (batch, steps, shape[2])
         and cos.is_contiguous()
         and sin.is_contiguous()

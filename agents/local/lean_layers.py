@@ -24,10 +24,10 @@ from functools import cache, partial
 from typing import Any
 
 import torch
-from cgym.agents.local.decode_attention import MAX_QUERIES
 from cgym.agents.local.kernels import C_HEADER, compiled, enabled
 from cgym.agents.local.layer_step import decode_step, stack_step
 from cgym.agents.local.packed import FusedLinear, pack_linears, packable, pairs_run
+from cgym.agents.local.step_attention import query_limit
 from torch import Tensor, nn
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_outputs import BaseModelOutputWithPast
@@ -135,7 +135,7 @@ def lean_model_forward(
         or torch.is_grad_enabled()
         or config.output_hidden_states
         or config.output_attentions
-        or input_ids.shape[1] * (config.num_attention_heads // config.num_key_value_heads) > MAX_QUERIES
+        or input_ids.shape[1] * (config.num_attention_heads // config.num_key_value_heads) > query_limit()
     )
     if not plain:
         hidden = self.embed_tokens(input_ids)

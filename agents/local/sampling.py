@@ -29,8 +29,9 @@ from cgym.agents.local.kv_cache import (
     shared_prefix,
     use_prefix_attention,
 )
-from cgym.agents.local.lookup import LOOKUP_TOKENS, PromptLookup, lookup_rows
+from cgym.agents.local.lookup import LOOKUP_TOKENS, PromptLookup, draft_length, lookup_rows
 from cgym.agents.local.pick import pick_rows
+from cgym.agents.local.step_attention import drafting
 from cgym.agents.local.target_logprobs import row_log_sum_exps, target_logprobs
 from cgym.agents.local.turn_cache import Reuse, TurnCache
 from cgym.agents.options import SamplingOptions
@@ -463,7 +464,8 @@ def _decode(
         width = batch.width
         drafts = None
         if lookup is not None and len(batch.active) <= lookup_rows(params.temperature):
-            drafts = lookup.propose({row: out.ids[row, : out.count[row]].tolist() for row in batch.active.tolist()})
+            emitted = {row: out.ids[row, : out.count[row]].tolist() for row in batch.active.tolist()}
+            drafts = lookup.propose(emitted, draft_length(len(emitted), params.temperature, lookup.tokens), repeat=params.temperature == 0)
         fed = tok[:, None] if drafts is None else torch.cat([tok[:, None], drafts.to(device)], 1)  # (b, n)
         n = fed.shape[1]
         if width + n > batch.mask.shape[1]:
@@ -572,7 +574,8 @@ def _check_drafts(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """One forward over (b, n) ids, each row's last id then n - 1 drafts; `accept_drafts` picks
     what each row emits."""
-    logits = _next_logits(model, fed, mask, positions, cache, every=True)
+    with drafting():  # a few rows' long drafts take the one-call step too
+        logits = _next_logits(model, fed, mask, positions, cache, every=True)
     return accept_drafts(logits, fed[:, 1:], params, generator)
 
 

@@ -575,7 +575,9 @@ def counted_forwards(model) -> Iterator[list[int]]:
 @pytest.mark.parametrize("share_prefix", [False, True], ids=["own-prefix", "shared-prefix"])
 def test_prompt_lookup_drafts_keep_the_greedy_ids(model, tokenizer, share_prefix: bool) -> None:
     """Greedy rows draft ids from their own context and verify them in one forward: the same
-    ids and log-probs as one id per forward, in fewer forwards (the tiny model repeats itself)."""
+    ids and log-probs as one id per forward, in fewer forwards (the tiny model repeats itself).
+    Three rows draft `LONG_DRAFT_TOKENS` ids a step, repeating a loop they are in."""
+    from cgym.agents.local.lookup import LONG_DRAFT_TOKENS
     from cgym.agents.local.sampling import LOOKUP_TOKENS, sample_batch
 
     prompts = _prefixed_prompts(tokenizer, n=3)
@@ -592,7 +594,7 @@ def test_prompt_lookup_drafts_keep_the_greedy_ids(model, tokenizer, share_prefix
     assert [s.stopped for s in drafted] == [s.stopped for s in plain]
     for a, b in zip(drafted, plain, strict=True):
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
-    assert LOOKUP_TOKENS + 1 in drafted_widths  # drafts were checked...
+    assert LONG_DRAFT_TOKENS + 1 in drafted_widths  # drafts were checked...
     assert len(drafted_widths) < len(plain_widths)  # ... and kept: fewer forwards
 
 

@@ -115,3 +115,24 @@ def test_a_step_whose_attention_finds_no_room_runs_op_by_op(tiny_chat_model: Pat
     assert stepped and not any(stepped), "every one-call step declined"
     monkeypatch.setattr("cgym.agents.local.lean_layers.stack_step", lambda *args: None)
     assert got == _sample(_lean(tiny_chat_model, "llama"), 0.0, 0)
+
+
+def test_a_few_greedy_rows_check_long_drafts_in_the_one_call_step(tiny_chat_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three greedy rows draft `LONG_DRAFT_TOKENS` ids a step: 3 query heads x 21 ids, over the
+    sixteen a step takes outside `drafting`, still run in one call, with the samples of the
+    layers op by op."""
+    from cgym.agents.local.lookup import LONG_DRAFT_TOKENS
+
+    model = _lean(tiny_chat_model, "llama")
+    widths: list[int] = []
+
+    def counted(layers: object, hidden: torch.Tensor, *args: object) -> object:
+        out = layer_step.stack_step(layers, hidden, *args)  # type: ignore[arg-type]
+        widths.extend([hidden.shape[1]] if out is not None else [])
+        return out
+
+    monkeypatch.setattr("cgym.agents.local.lean_layers.stack_step", counted)
+    fast = _sample(model, 0.0, 4)
+    assert LONG_DRAFT_TOKENS + 1 in widths
+    monkeypatch.setattr("cgym.agents.local.lean_layers.stack_step", lambda *args: None)
+    assert fast == _sample(model, 0.0, 4)

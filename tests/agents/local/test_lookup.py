@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cgym.agents.local.lookup import PromptLookup, lookup_rows
+from cgym.agents.local.lookup import LONG_DRAFT_ROWS, LONG_DRAFT_TOKENS, LOOKUP_TOKENS, PromptLookup, draft_length, lookup_rows
 
 
 def test_drafts_follow_the_latest_earlier_match_in_the_prompt() -> None:
@@ -27,6 +27,25 @@ def test_short_drafts_are_padded_and_rows_keep_their_own_context() -> None:
     assert drafts is not None and drafts.tolist() == [[3, 1, 2, 0], [0, 0, 0, 0]]  # row 1: nothing to draft
 
 
+def test_a_repeating_draft_continues_the_loop_it_matched() -> None:
+    """A row repeating (7, 8, 9): the match is three ids back, so a plain draft has three ids and
+    padding, a repeating one goes round the loop; where the match has room, both are the same."""
+    lookup = PromptLookup([[1, 7, 8, 9, 7, 8, 9]], tokens=8)
+    assert lookup.propose({0: []}).tolist() == [[7, 8, 9, 0, 0, 0, 0, 0]]
+    assert lookup.propose({0: []}, repeat=True).tolist() == [[7, 8, 9, 7, 8, 9, 7, 8]]
+    assert lookup.propose({0: [7]}, 5, repeat=True).tolist() == [[8, 9, 7, 8, 9]]  # (8, 9, 7) three ids back: the loop from 8
+    roomy = PromptLookup([[1, 2, 3, 4, 5, 6, 7, 1, 2]], tokens=4)
+    assert roomy.propose({0: []}, repeat=True).tolist() == roomy.propose({0: []}).tolist() == [[3, 4, 5, 6]]
+
+
+def test_greedy_steps_of_a_few_rows_draft_longer() -> None:
+    assert draft_length(LONG_DRAFT_ROWS, 0.0, LOOKUP_TOKENS) == LONG_DRAFT_TOKENS > LOOKUP_TOKENS
+    assert draft_length(LONG_DRAFT_ROWS + 1, 0.0, LOOKUP_TOKENS) == LOOKUP_TOKENS
+    assert draft_length(1, 0.7, LOOKUP_TOKENS) == LOOKUP_TOKENS  # sampled: as asked
+    assert draft_length(1, 0.0, 0) == 0  # drafting off stays off
+    assert draft_length(1, 0.0, 30) == 30
+
+
 def test_greedy_turns_draft_with_more_rows_live_than_sampled_ones(monkeypatch: pytest.MonkeyPatch) -> None:
     """12 live rows: a greedy batch drafts (its drafts are mostly kept), a sampled one does not."""
     from cgym.agents.local.sampling import sample_batch
@@ -40,7 +59,7 @@ def test_greedy_turns_draft_with_more_rows_live_than_sampled_ones(monkeypatch: p
     ).eval()
     asked: list[int] = []
     real = PromptLookup.propose
-    monkeypatch.setattr(PromptLookup, "propose", lambda self, emitted: asked.append(len(emitted)) or real(self, emitted))
+    monkeypatch.setattr(PromptLookup, "propose", lambda self, emitted, *args, **kwargs: asked.append(len(emitted)) or real(self, emitted, *args, **kwargs))
     prompts = [[1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5 + row] for row in range(12)]
     for temperature, drafts in ((0.0, True), (1.0, False)):
         asked.clear()

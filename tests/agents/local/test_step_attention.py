@@ -8,7 +8,7 @@ import pytest
 import torch
 from cgym.agents.local.decode_attention import KERNEL_ENV, available
 from cgym.agents.local.kv_cache import split_attention
-from cgym.agents.local.step_attention import pack_prefix, step_attention
+from cgym.agents.local.step_attention import DRAFT_QUERIES, drafting, pack_prefix, step_attention
 
 pytestmark = pytest.mark.skipif(not available(), reason="no C compiler or no AVX512-BF16 here: the split path runs")
 
@@ -69,13 +69,18 @@ def test_no_prefix_and_a_query_that_sees_nothing() -> None:
     _within_one_bf16_step(got[1:], _reference(query, prefix_k, prefix_v, key, value, visible, 0.125)[1:])
 
 
-@pytest.mark.parametrize(("batch", "steps", "heads", "kv_heads", "own"), [(4, 2, 4, 2, 20), (5, 5, 9, 3, 89), (2, 16, 3, 3, 300), (3, 3, 6, 3, 7)])
+@pytest.mark.parametrize(
+    ("batch", "steps", "heads", "kv_heads", "own"),
+    [(4, 2, 4, 2, 20), (5, 5, 9, 3, 89), (2, 16, 3, 3, 300), (3, 3, 6, 3, 7), (3, 6, 9, 3, 50), (2, 21, 9, 3, 130)],
+)
 def test_drafted_ids_of_a_row_and_their_own_keys_packed(batch: int, steps: int, heads: int, kv_heads: int, own: int) -> None:
     """More than `FEW_QUERIES` queries a row and kv head (a row's last id and its drafts, times a
-    group's heads): the row's own keys are packed as the prefix's are."""
+    group's heads): the row's own keys are packed as the prefix's are; above sixteen the queries
+    go sixteen at a time (18 and 63 here)."""
     query, prefix_k, prefix_v, key, value, visible = _inputs(batch, steps, 40, own, heads=heads, kv_heads=kv_heads)
     visible[0, 0] = False  # a query that sees only the prefix
-    got = step_attention(query, pack_prefix(prefix_k, prefix_v), key, value, visible, 0.3)
+    with drafting():  # over sixteen only in a step that checks drafts
+        got = step_attention(query, pack_prefix(prefix_k, prefix_v), key, value, visible, 0.3)
     assert got is not None
     _within_one_bf16_step(got, _reference(query, prefix_k, prefix_v, key, value, visible, 0.3))
 
@@ -89,12 +94,16 @@ def test_a_strided_visibility_for_few_queries() -> None:
     _within_one_bf16_step(got, _reference(query, prefix_k, prefix_v, key, value, visible, 0.125))
 
 
-@pytest.mark.parametrize("case", ["many_queries", "strided_drafts", "float32", "head_dim", "gradients", "switched_off", "mask_dtype"])
+@pytest.mark.parametrize("case", ["many_queries", "many_drafts", "strided_drafts", "float32", "head_dim", "gradients", "switched_off", "mask_dtype"])
 def test_no_kernel_where_it_does_not_apply(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
     query, prefix_k, prefix_v, key, value, visible = _inputs(2, 1, 20, 10)
     packed = pack_prefix(prefix_k, prefix_v)
     if case == "many_queries":
-        query, _, _, key, value, visible = _inputs(2, 6, 20, 10)  # 3 heads a group x 6 ids: 18 > 16
+        query, _, _, key, value, visible = _inputs(2, 6, 20, 10)  # 3 heads a group x 6 ids: 18 > 16 outside `drafting`
+    elif case == "many_drafts":
+        query, _, _, key, value, visible = _inputs(2, DRAFT_QUERIES // 3 + 1, 20, 10)
+        with drafting():
+            assert step_attention(query, packed, key, value, visible, 0.125) is None
     elif case == "strided_drafts":
         query, _, _, key, value, visible = _inputs(2, 2, 20, 10)  # packed own keys read contiguous visibility
         visible = torch.zeros(2, 2, 20, dtype=torch.bool)[..., ::2]
@@ -147,3 +156,15 @@ def test_any_number_of_threads_gives_the_same_bits(threads: int, monkeypatch: py
     two = step_attention(query, packed, key, value, visible, 0.125)
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     assert two is not None and torch.equal(step_attention(query, packed, key, value, visible, 0.125), two)
+
+
+def test_queries_past_sixteen_get_the_bits_they_get_sixteen_or_fewer_at_a_time() -> None:
+    """A row's 3 heads x 10 ids (30 queries: sixteen, then fourteen, mixing heads and ids
+    differently) give each query the bits of two calls of 5 ids (15 queries each)."""
+    query, prefix_k, prefix_v, key, value, visible = _inputs(4, 10, 70, 90)
+    prefix = pack_prefix(prefix_k, prefix_v)
+    with drafting():
+        whole = step_attention(query, prefix, key, value, visible, 0.2)
+    halves = [step_attention(query[:, :, part].contiguous(), prefix, key, value, visible[:, part].contiguous(), 0.2) for part in (slice(0, 5), slice(5, 10))]
+    assert whole is not None and all(half is not None for half in halves)
+    assert torch.equal(whole, torch.cat(halves, 1))
