@@ -271,13 +271,16 @@ PREFIX_ATTENTION = "cgym_shared_prefix"
 
 class _Prefix(NamedTuple):
     """A shared prefix's per-layer (1, H_kv, P, D) keys and values as given, in fp32 for the
-    flash kernel, and packed for `step_attention` (None where it does not run)."""
+    flash kernel, and packed for `step_attention` (None where it does not run); `steps` keeps
+    what the one-call decode step derives from the prefix and the layers once per block
+    (`layer_step.stack_step`: a sampling call's weights stay put while it is served)."""
 
     keys: list[Tensor]
     values: list[Tensor]
     wide_keys: list[Tensor]
     wide_values: list[Tensor]
     packed: list[PackedPrefix | None]
+    steps: dict[tuple[int, ...], Any]
 
 
 _PREFIX: ContextVar[_Prefix | None] = ContextVar("cgym_prefix_kv", default=None)
@@ -293,9 +296,9 @@ def shared_prefix(keys: list[Tensor], values: list[Tensor]) -> Iterator[None]:
     these per-layer (1, H_kv, P, D) keys/values first; the cache holds only each row's own part."""
     if _FLASH_CPU is not None and keys and keys[0].device.type == "cpu":
         packed = [pack_prefix(k, v) for k, v in zip(keys, values, strict=True)]
-        token = _PREFIX.set(_Prefix(keys, values, [k.float() for k in keys], [v.float() for v in values], packed))
+        token = _PREFIX.set(_Prefix(keys, values, [k.float() for k in keys], [v.float() for v in values], packed, {}))
     else:
-        token = _PREFIX.set(_Prefix(keys, values, keys, values, [None] * len(keys)))
+        token = _PREFIX.set(_Prefix(keys, values, keys, values, [None] * len(keys), {}))
     try:
         yield
     finally:

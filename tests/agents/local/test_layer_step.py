@@ -136,3 +136,20 @@ def test_a_few_greedy_rows_check_long_drafts_in_the_one_call_step(tiny_chat_mode
     assert LONG_DRAFT_TOKENS + 1 in widths
     monkeypatch.setattr("cgym.agents.local.lean_layers.stack_step", lambda *args: None)
     assert fast == _sample(model, 0.0, 4)
+
+
+def test_a_blocks_plans_are_found_once_and_new_weights_get_new_ones(tiny_chat_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sampling call finds each layer's plan on its first step and keeps it for the others; the
+    next call, after new weights are packed, steps with them: its samples are the layers' op by op."""
+    model = _lean(tiny_chat_model, "llama")
+    layers = len(model.model.layers)
+    found: list[int] = []
+    real = layer_step._plan
+    monkeypatch.setattr(layer_step, "_plan", lambda *args: found.append(1) or real(*args))
+    first = _sample(model, 1.0, 0)
+    assert len(found) == layers  # forty ids a row, one plan a layer
+    down = model.model.layers[-1].mlp.down_proj
+    down.load(torch.randn(down.out_features, down.in_features) * 0.3, None)  # new weights, packed anew
+    stepped = _sample(model, 1.0, 0)
+    monkeypatch.setattr("cgym.agents.local.lean_layers.stack_step", lambda *args: None)
+    assert stepped == _sample(model, 1.0, 0) != first
