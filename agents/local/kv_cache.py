@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 import torch
 from cgym.agents.local.attention_backward import attention_backward
+from cgym.agents.local.cache_rows import compact_rows, gather_columns
 from cgym.agents.local.decode_attention import FEW_QUERIES, HEAD_DIM, block_attention, own_attention
 from cgym.agents.local.decode_attention import available as kernel_available
 from cgym.agents.local.step_attention import PackedPrefix, pack_prefix, step_attention
@@ -85,6 +86,12 @@ class GrowingLayer(DynamicLayer):
         if self._k is not None and self._v is not None:
             self._k, self._v = self._select(self._k, indices), self._select(self._v, indices)
             self._refresh()
+
+    def kept_first(self, rows: int) -> None:
+        """The buffers' first `rows` rows are the batch now (`keep_rows` moved them there)."""
+        assert self._k is not None and self._v is not None
+        self._k, self._v = self._k[:rows], self._v[:rows]
+        self._refresh()
 
     def _select(self, buffer: Tensor, indices: Tensor) -> Tensor:
         kept = buffer.new_empty((len(indices), *buffer.shape[1:]))
@@ -502,6 +509,36 @@ def split_attention(query: Tensor, key: Tensor, value: Tensor, prefix_k: Tensor,
     out = out_p.new_empty((batch, q_len, kv_heads, groups, dim))  # written in the layout returned
     torch.lerp(out_p, out_o.float().reshape(batch, kv_heads, groups, q_len, dim), share[..., None], out=out.permute(0, 2, 3, 1, 4))
     return out.view(batch, q_len, heads, dim)
+
+
+def keep_rows(cache: Any, indices: Tensor) -> None:
+    """`cache.batch_select_indices(indices)` (ascending rows): where every layer is a
+    `GrowingLayer` of like buffers, the kept rows move down in place, every layer's in one C call
+    (`cache_rows.compact_rows`), and the buffers keep their room; the rows after them stay
+    allocated until a buffer grows."""
+    layers = getattr(cache, "layers", None)
+    if layers and all(isinstance(layer, GrowingLayer) and layer._k is not None and layer._v is not None for layer in layers):
+        lengths = {layer.length for layer in layers}
+        if len(lengths) == 1 and compact_rows([b for layer in layers for b in (layer._k, layer._v)], indices, lengths.pop()):
+            for layer in layers:
+                layer.kept_first(len(indices))
+            return
+    cache.batch_select_indices(indices)
+
+
+def row_columns(cache: Any, row: int, columns: Tensor) -> tuple[list[Tensor], list[Tensor]] | None:
+    """Row `row`'s keys and values at cache columns `columns` (below its length), every layer's
+    copied into one block in one C call (`cache_rows.gather_columns`): each layer's (H, m, D),
+    as `layer.keys[row][:, columns]` gives them. None where the layers are not all
+    `GrowingLayer`s of like buffers and one length."""
+    layers = getattr(cache, "layers", None)
+    if not layers or not all(isinstance(layer, GrowingLayer) and layer._k is not None and layer._v is not None for layer in layers):
+        return None
+    lengths = {layer.length for layer in layers}
+    if len(lengths) != 1 or (columns.numel() and int(columns.max()) >= lengths.pop()):
+        return None
+    block = gather_columns([b for layer in layers for b in (layer._k, layer._v)], row, columns)
+    return None if block is None else (block[0::2], block[1::2])
 
 
 def _own_mask(attention_mask: Tensor | None, batch: int, q_len: int, own: int, plen: int, device: torch.device) -> Tensor:

@@ -25,9 +25,12 @@ from cgym.agents.local.kv_cache import (
     extending_cache,
     first_pass_cache,
     growing_cache,
+    keep_rows,
     read_only_cache,
+    row_columns,
     shared_prefix,
     use_prefix_attention,
+    weights_version,
 )
 from cgym.agents.local.lookup import LOOKUP_TOKENS, PromptLookup, draft_length, lookup_rows
 from cgym.agents.local.pick import pick_rows
@@ -377,12 +380,14 @@ class _TurnRows:
         the cache's columns, `local` are the rows' indices in the live batch (cache, mask),
         `rows` their original indices. Ids fed past those (drafts after a stop id) are left out."""
         offset = self.start if self.served else 0
+        version = weights_version(model)
         for i, row, n in zip(local.tolist(), rows.tolist(), fed.tolist()):
             ids = list(self.prompts[row][self.start :]) + out_ids[row, :n].tolist()
             columns = mask[i, self.start :].nonzero().squeeze(1)[: len(ids)] + (self.start - offset)
-            keys = [layer.keys[i][:, columns] for layer in cache.layers]
-            values = [layer.values[i][:, columns] for layer in cache.layers]
-            self.cache.put(model, self.keys[row], self.start, ids, keys, values)
+            block = row_columns(cache, i, columns)
+            keys = block[0] if block else [layer.keys[i][:, columns] for layer in cache.layers]
+            values = block[1] if block else [layer.values[i][:, columns] for layer in cache.layers]
+            self.cache.put(model, self.keys[row], self.start, ids, keys, values, version)
 
 
 @dataclass
@@ -399,7 +404,7 @@ class _Batch:
 
     def keep(self, rows: Tensor) -> None:
         self.active, self.next_pos, self.mask = self.active[rows], self.next_pos[rows], self.mask[rows]
-        self.cache.batch_select_indices(rows)
+        keep_rows(self.cache, rows)
 
     def join(self, other: _Batch, room: int) -> None:
         """Take `other`'s rows (the same head, served apart) below these, right-aligned."""

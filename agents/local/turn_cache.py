@@ -63,13 +63,24 @@ class TurnCache:
         self.reused_tokens += sum(r.end - start for r in reuse if r is not None)
         return reuse
 
-    def put(self, model: PreTrainedModel, key: Hashable, start: int, ids: Sequence[int], keys: list[Tensor], values: list[Tensor]) -> None:
+    def put(
+        self,
+        model: PreTrainedModel,
+        key: Hashable,
+        start: int,
+        ids: Sequence[int],
+        keys: list[Tensor],
+        values: list[Tensor],
+        version: tuple[int, int] | None = None,
+    ) -> None:
+        """Store a row's keys/values of `ids` from `start`; `version` is `weights_version(model)`
+        where the caller has it (it walks every parameter: once for a call's rows)."""
         self._pop(key)
         size = sum(t.numel() * t.element_size() for t in (*keys, *values))
         if self.max_bytes is not None and self.bytes + size > self.max_bytes:
             self.skipped += 1
             return
-        self.entries[key] = TurnEntry(start, tuple(ids), keys, values, weights_version(model), size)
+        self.entries[key] = TurnEntry(start, tuple(ids), keys, values, weights_version(model) if version is None else version, size)
         self.bytes += size
 
     def forget(self, key: Hashable) -> None:
