@@ -221,3 +221,38 @@ def test_switched_off_the_layers_run_pytorch_ops(monkeypatch: pytest.MonkeyPatch
     fused = torch.randn(1, 1, 3 * 64).to(torch.bfloat16)
     cos, sin = (torch.randn(1, 1, 64).to(torch.bfloat16) for _ in range(2))
     assert lean_layers._library() is None and not lean_layers._rotate_in_place(fused, cos, sin, 2)
+
+
+@pytest.mark.skipif(lean_layers._library() is None, reason="no C compiler or no AVX-512 here: PyTorch rotates")
+@pytest.mark.parametrize(("batch", "heads", "length", "shared"), [(1, 9, 37, False), (2, 3, 5, True), (3, 2, 70, False)])
+def test_the_fp32_rotary_embedding_gives_pytorchs_values_and_gradients(batch: int, heads: int, length: int, shared: bool) -> None:
+    """In one C pass each way: every output and input gradient equal to PyTorch's ops on the same
+    strided queries (a fused projection's view). The values are chosen so that one fused
+    multiply-add in place of a product and a sum changes some of them."""
+    torch.manual_seed(length)
+    x = torch.randn(batch, length, heads + 5, 64)[:, :, :heads].transpose(1, 2)
+    cos, sin = (torch.randn(1 if shared else batch, 1, length, 64) for _ in range(2))
+    assert lean_layers._Rotary.fits(x, cos, sin)
+    fused, plain = x.detach().clone().requires_grad_(), x.detach().clone().requires_grad_()
+    half = 32
+    expected = plain * cos + torch.cat((-plain[..., half:], plain[..., :half]), dim=-1) * sin
+    got = lean_layers._rotated(fused, cos, sin)
+    grad = torch.randn_like(got)
+    got.backward(grad)
+    expected.backward(grad)
+    assert torch.equal(got, expected) and torch.equal(fused.grad, plain.grad)
+
+
+def test_rotary_embeddings_the_kernel_does_not_take_run_pytorchs_ops() -> None:
+    x = torch.randn(1, 2, 3, 64)
+    cos, sin = torch.randn(1, 1, 3, 64), torch.randn(1, 1, 3, 64)
+    for args in (
+        (x.double(), cos.double(), sin.double()),
+        (x[..., :48], cos[..., :48], sin[..., :48]),
+        (x, cos.transpose(2, 3).contiguous().transpose(2, 3), sin),
+    ):
+        assert not lean_layers._Rotary.fits(*args)
+        assert torch.allclose(
+            lean_layers._rotated(*args),
+            args[0] * args[1] + torch.cat((-args[0][..., args[0].shape[-1] // 2 :], args[0][..., : args[0].shape[-1] // 2]), -1) * args[2],
+        )
