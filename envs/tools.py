@@ -25,6 +25,7 @@ can only accept what jsonschema accepts; anything it does not accept goes to jso
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import json
@@ -95,20 +96,14 @@ class Tool:
 
     @classmethod
     def from_function(cls, fn: Callable[..., Any], *, name: str | None = None) -> Tool:
-        """Build a tool from a typed function (or bound method) and its docstring."""
-        summary, arg_docs = _parse_docstring(inspect.getdoc(fn) or "")
-        hints = typing.get_type_hints(fn)
-        properties: dict[str, Any] = {}
-        required: list[str] = []
-        for pname, param in inspect.signature(fn).parameters.items():
-            schema = _type_schema(hints.get(pname, str))
-            if pname in arg_docs:
-                schema["description"] = arg_docs[pname]
-            properties[pname] = schema
-            if param.default is inspect.Parameter.empty:
-                required.append(pname)
-        parameters = {"type": "object", "properties": properties, "required": required}
-        return cls(name or fn.__name__, summary, parameters, fn)
+        """Build a tool from a typed function (or bound method) and its docstring. The schema is
+        read once per function: an env's bound methods (one env per live episode) share it."""
+        plain, bound = getattr(fn, "__func__", fn), inspect.ismethod(fn)
+        try:
+            summary, parameters = _function_schema(plain, bound)
+        except TypeError:  # an unhashable callable (an object that defines __eq__): read it each time
+            summary, parameters = _function_schema.__wrapped__(plain, bound)
+        return cls(name or fn.__name__, summary, copy.deepcopy(parameters), fn)
 
     @classmethod
     def from_schema(cls, schema: Mapping[str, Any], fn: Callable[..., Any]) -> Tool:
@@ -301,6 +296,24 @@ def _dotted(path: list[Any]) -> str:
     for part in path:
         text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
     return text
+
+
+@functools.lru_cache(maxsize=512)
+def _function_schema(fn: Callable[..., Any], bound: bool) -> tuple[str, dict[str, Any]]:
+    """(summary, object schema of the parameters) of a typed function and its docstring; `bound`
+    leaves out its first parameter (a method's `self`)."""
+    summary, arg_docs = _parse_docstring(inspect.getdoc(fn) or "")
+    hints = typing.get_type_hints(fn)
+    properties: dict[str, Any] = {}
+    required: list[str] = []
+    for pname, param in list(inspect.signature(fn).parameters.items())[1 if bound else 0 :]:
+        schema = _type_schema(hints.get(pname, str))
+        if pname in arg_docs:
+            schema["description"] = arg_docs[pname]
+        properties[pname] = schema
+        if param.default is inspect.Parameter.empty:
+            required.append(pname)
+    return summary, {"type": "object", "properties": properties, "required": required}
 
 
 def _parse_docstring(doc: str) -> tuple[str, dict[str, str]]:

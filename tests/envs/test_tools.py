@@ -84,3 +84,49 @@ def test_a_bad_schema_is_refused_every_time() -> None:
     for _ in range(2):
         with pytest.raises(ToolSchemaError, match="'t'"):
             Tool.from_schema(bad, lookup)
+
+
+class _Shop:
+    def find(self, name: str, limit: int = 5) -> list:
+        """Find customers.
+
+        Args:
+            name: Part of a name.
+            limit: At most this many.
+        """
+        return [self, name, limit]
+
+
+class _Unhashable:
+    __hash__ = None  # type: ignore[assignment]
+
+    def __call__(self, query: str) -> str:
+        """Answer a query."""
+        return query
+
+
+def test_methods_of_two_objects_share_their_schema_but_not_their_dicts_or_their_self() -> None:
+    """The schema is read once per function; each tool still calls its own object's method and
+    holds its own copy of the parameters (one tool's edit does not reach another)."""
+    a, b = _Shop(), _Shop()
+    first, second = Tool.from_function(a.find), Tool.from_function(b.find)
+    assert (
+        first.parameters
+        == second.parameters
+        == {
+            "type": "object",
+            "properties": {"name": {"type": "string", "description": "Part of a name."}, "limit": {"type": "integer", "description": "At most this many."}},
+            "required": ["name"],
+        }
+    )
+    first.parameters["properties"]["name"]["description"] = "changed"
+    assert second.parameters["properties"]["name"]["description"] == "Part of a name."
+    assert Tool.from_function(a.find).parameters["properties"]["name"]["description"] == "Part of a name."
+    assert first.fn("x")[0] is a and second.fn("x")[0] is b
+    plain = Tool.from_function(_Shop.find)  # the function itself: `self` is a parameter
+    assert plain.required == ["self", "name"]
+
+
+def test_a_method_of_an_unhashable_object_makes_a_tool() -> None:
+    tool = Tool.from_function(_Unhashable().__call__)
+    assert tool.required == ["query"] and tool.description == "Answer a query."

@@ -496,3 +496,14 @@ def test_latency_waits_overlap_across_threads(data: ShopData) -> None:
 def test_bad_latency_is_rejected(data: ShopData, latency_s: float) -> None:
     with pytest.raises(ValueError, match="latency_s"):
         ShopService(data, latency_s=latency_s)
+
+
+def test_a_shop_asked_for_again_is_the_same_frozen_records() -> None:
+    """An episode's task and its service ask for one shop: built once, the same records as a
+    fresh build (the cache's function run directly)."""
+    from cgym.mock_apis.shop import data
+
+    first = generate_shop(424242)
+    assert generate_shop(424242) is first
+    assert data._built_shop.__wrapped__(424242, 12, 15, 14) == first
+    assert generate_shop(424242, n_customers=5) != first
