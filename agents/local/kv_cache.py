@@ -511,18 +511,26 @@ def split_attention(query: Tensor, key: Tensor, value: Tensor, prefix_k: Tensor,
     return out.view(batch, q_len, heads, dim)
 
 
+def _growing_buffers(cache: Any) -> tuple[list[Tensor], int] | None:
+    """Every layer's key and value buffers (k, v, k, v, ...) and their one length, where every
+    layer of `cache` is a `GrowingLayer` holding buffers of one length; else None."""
+    layers = getattr(cache, "layers", None)
+    if not layers or not all(isinstance(layer, GrowingLayer) and layer._k is not None and layer._v is not None for layer in layers):
+        return None
+    lengths = {layer.length for layer in layers}
+    return ([b for layer in layers for b in (layer._k, layer._v)], lengths.pop()) if len(lengths) == 1 else None
+
+
 def keep_rows(cache: Any, indices: Tensor) -> None:
     """`cache.batch_select_indices(indices)` (ascending rows): where every layer is a
     `GrowingLayer` of like buffers, the kept rows move down in place, every layer's in one C call
     (`cache_rows.compact_rows`), and the buffers keep their room; the rows after them stay
     allocated until a buffer grows."""
-    layers = getattr(cache, "layers", None)
-    if layers and all(isinstance(layer, GrowingLayer) and layer._k is not None and layer._v is not None for layer in layers):
-        lengths = {layer.length for layer in layers}
-        if len(lengths) == 1 and compact_rows([b for layer in layers for b in (layer._k, layer._v)], indices, lengths.pop()):
-            for layer in layers:
-                layer.kept_first(len(indices))
-            return
+    found = _growing_buffers(cache)
+    if found is not None and compact_rows(found[0], indices, found[1]):
+        for layer in cache.layers:
+            layer.kept_first(len(indices))
+        return
     cache.batch_select_indices(indices)
 
 
@@ -531,13 +539,10 @@ def row_columns(cache: Any, row: int, columns: Tensor) -> tuple[list[Tensor], li
     copied into one block in one C call (`cache_rows.gather_columns`): each layer's (H, m, D),
     as `layer.keys[row][:, columns]` gives them. None where the layers are not all
     `GrowingLayer`s of like buffers and one length."""
-    layers = getattr(cache, "layers", None)
-    if not layers or not all(isinstance(layer, GrowingLayer) and layer._k is not None and layer._v is not None for layer in layers):
+    found = _growing_buffers(cache)
+    if found is None or (columns.numel() and int(columns.max()) >= found[1]):
         return None
-    lengths = {layer.length for layer in layers}
-    if len(lengths) != 1 or (columns.numel() and int(columns.max()) >= lengths.pop()):
-        return None
-    block = gather_columns([b for layer in layers for b in (layer._k, layer._v)], row, columns)
+    block = gather_columns(found[0], row, columns)
     return None if block is None else (block[0::2], block[1::2])
 
 

@@ -385,9 +385,9 @@ class _TurnRows:
             ids = list(self.prompts[row][self.start :]) + out_ids[row, :n].tolist()
             columns = mask[i, self.start :].nonzero().squeeze(1)[: len(ids)] + (self.start - offset)
             block = row_columns(cache, i, columns)
-            keys = block[0] if block else [layer.keys[i][:, columns] for layer in cache.layers]
-            values = block[1] if block else [layer.values[i][:, columns] for layer in cache.layers]
-            self.cache.put(model, self.keys[row], self.start, ids, keys, values, version)
+            if block is None:
+                block = [layer.keys[i][:, columns] for layer in cache.layers], [layer.values[i][:, columns] for layer in cache.layers]
+            self.cache.put(model, self.keys[row], self.start, ids, *block, version)
 
 
 @dataclass
