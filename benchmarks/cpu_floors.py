@@ -178,9 +178,13 @@ def keys_seen(mask: Any) -> float | None:
 def counting_flops(model_class: type) -> Iterator[FlopCount]:
     """Count every forward of `model_class` (a causal LM: the trained model, the sampler's bf16
     copy and the eval policy's alike) while the block runs. A forward under autograd is followed
-    by a backward (`backward_flops`: which weights get gradients is read from the model)."""
+    by a backward (`backward_flops`: which weights get gradients is read from the model).
+
+    A model's weights are read once per block: walking its modules took ~19 ms a call for
+    SmolLM2 under LoRA, ~0.9 s of a timed GRPO step's ~290 calls."""
     count = FlopCount()
     original = model_class.forward
+    known: dict[int, tuple[Any, Weights]] = {}  # id -> (the model, held so that its id stays its own, its weights)
 
     # `wraps` keeps the forward's signature visible (inspect follows __wrapped__): the sampler and
     # the loss pass read it to find `logits_to_keep` and the cache argument, and without them they
@@ -198,7 +202,9 @@ def counting_flops(model_class: type) -> Iterator[FlopCount]:
             keep = kwargs.get("logits_to_keep", 0)
             columns = new if isinstance(keep, int) and keep == 0 else (keep if isinstance(keep, int) else len(keep))
             seen = keys_seen(mask)
-            of = weights(self)
+            if id(self) not in known:
+                known[id(self)] = (self, weights(self))
+            of = known[id(self)][1]
             flops, read = forward_flops(self, rows, new, keys, columns, seen, of), of.bytes
             training = torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
             if training:

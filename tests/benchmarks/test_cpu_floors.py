@@ -72,6 +72,25 @@ def test_counting_splits_inference_from_training_and_restores_forward(model: tor
     assert with_exp["floor_with_exp_s"] == pytest.approx(with_exp["floor_s"] + count.exps / 1e3, abs=0.01)
 
 
+def test_a_block_reads_each_models_weights_once(model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Walking a model's modules costs milliseconds a call (~0.9 s of a GRPO step at SmolLM2's
+    size under LoRA): the count reads them once per block and model, and counts every call."""
+    import copy
+
+    from cgym.benchmarks import cpu_floors
+
+    read: list[int] = []
+    monkeypatch.setattr(cpu_floors, "weights", lambda m: read.append(id(m)) or weights(m))
+    other = copy.deepcopy(model)
+    ids = torch.randint(0, model.config.vocab_size, (2, 4))
+    with counting_flops(type(model)) as count, torch.inference_mode():
+        for _ in range(3):
+            model(input_ids=ids)
+            other(input_ids=ids)
+    assert sorted(read) == sorted([id(model), id(other)])
+    assert len(count.calls) == 6 and count.inference == pytest.approx(6 * forward_flops(model, 2, 4, 4, 4))
+
+
 def test_frozen_weights_count_the_gradients_of_their_inputs_only(model: torch.nn.Module) -> None:
     """LoRA: the base's weights get no gradient of their own, so their backward costs one
     forward, not two; attention's backward still takes two (queries, keys and values are
