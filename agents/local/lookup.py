@@ -15,11 +15,17 @@ import torch
 from torch import Tensor
 
 LOOKUP_TOKENS = 4  # ids drafted per step
-LOOKUP_ROWS = 8  # draft only while at most this many rows are live
+# Sampled turns keep about half of each drafted id (2.0 ids a row from 4-id drafts), and a step
+# is bound by its products past ~10 query ids (on the 2-core Ice Lake's fp32 products a step took
+# ~15 ms up to 5 ids, then ~1.45 ms more an id: 4 rows x 5 ids 40 ms, 5.6 ms an emitted id against
+# 4.1 with no drafts). So one live row drafts `tokens` ids, two to four rows one id each, more
+# rows none: 4 x 8 sampled rollouts took 3.42-3.46 ms a sampled id against 3.74 drafting 4 ids
+# from 8 rows, and 3.84 drafting one id from 8 rows (alternated steps on the same tasks).
+LOOKUP_ROWS = 4  # sampled turns draft only while at most this many rows are live
 # Greedy rows keep more of their drafts (a turn that copies a tool result, or repeats itself until
 # it is cut, keeps most), so drafting pays with more of them live: the 100-episode greedy eval of
 # ApiReport easy took 26.5-27.3 s drafting from 16 rows against 29.0-30.6 s from 8, with the same
-# ids; sampled 4 x 8 rollouts took 4.68 ms a sampled id from 16 against 4.07 from 8.
+# ids (the AVX512-BF16 machine).
 LOOKUP_ROWS_GREEDY = 16
 
 
@@ -39,11 +45,13 @@ def lookup_rows(temperature: float) -> int:
 
 
 def draft_length(rows: int, temperature: float, tokens: int) -> int:
-    """Ids a step of `rows` live rows drafts per row: `tokens`, or `LONG_DRAFT_TOKENS` for a
-    greedy step of at most `LONG_DRAFT_ROWS` (a greedy row keeps a draft exactly where it is the
-    id it would emit, so only the number of steps changes). Sampled steps keep `tokens`: they
-    keep each drafted id only with its probability."""
-    return max(tokens, LONG_DRAFT_TOKENS) if temperature == 0 and 0 < tokens and rows <= LONG_DRAFT_ROWS else tokens
+    """Ids a step of `rows` live rows drafts per row. Greedy: `tokens`, or `LONG_DRAFT_TOKENS`
+    for a step of at most `LONG_DRAFT_ROWS` (a greedy row keeps a draft exactly where it is the
+    id it would emit, so only the number of steps changes). Sampled: `tokens` for one row, one id
+    for more (each drafted id is kept only with its probability: see `LOOKUP_ROWS`)."""
+    if temperature != 0:
+        return tokens if rows == 1 else min(tokens, 1)
+    return max(tokens, LONG_DRAFT_TOKENS) if 0 < tokens and rows <= LONG_DRAFT_ROWS else tokens
 
 
 LOOKUP_NGRAMS = (3, 2)  # match the row's last 3 ids, else its last 2

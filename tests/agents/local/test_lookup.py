@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cgym.agents.local.lookup import LONG_DRAFT_ROWS, LONG_DRAFT_TOKENS, LOOKUP_TOKENS, PromptLookup, draft_length, lookup_rows
+from cgym.agents.local.lookup import LONG_DRAFT_ROWS, LONG_DRAFT_TOKENS, LOOKUP_ROWS, LOOKUP_TOKENS, PromptLookup, draft_length, lookup_rows
 
 
 def test_drafts_follow_the_latest_earlier_match_in_the_prompt() -> None:
@@ -38,10 +38,12 @@ def test_a_repeating_draft_continues_the_loop_it_matched() -> None:
     assert roomy.propose({0: []}, repeat=True).tolist() == roomy.propose({0: []}).tolist() == [[3, 4, 5, 6]]
 
 
-def test_greedy_steps_of_a_few_rows_draft_longer() -> None:
+def test_draft_lengths_by_live_rows_and_temperature() -> None:
     assert draft_length(LONG_DRAFT_ROWS, 0.0, LOOKUP_TOKENS) == LONG_DRAFT_TOKENS > LOOKUP_TOKENS
     assert draft_length(LONG_DRAFT_ROWS + 1, 0.0, LOOKUP_TOKENS) == LOOKUP_TOKENS
-    assert draft_length(1, 0.7, LOOKUP_TOKENS) == LOOKUP_TOKENS  # sampled: as asked
+    assert draft_length(1, 0.7, LOOKUP_TOKENS) == LOOKUP_TOKENS  # sampled, one row: as asked
+    assert draft_length(2, 0.7, LOOKUP_TOKENS) == draft_length(LOOKUP_ROWS, 1.0, LOOKUP_TOKENS) == 1  # more rows: one id each
+    assert draft_length(2, 0.7, 0) == 0
     assert draft_length(1, 0.0, 0) == 0  # drafting off stays off
     assert draft_length(1, 0.0, 30) == 30
 
