@@ -37,7 +37,7 @@ from cgym.agents.local.lora import lean_adapters, merged, with_lora
 from cgym.agents.local.precision import autocast, frozen_weights_cast
 from cgym.agents.local.prefix_tree import takes_trees, tree_logprobs, tree_size
 from cgym.agents.local.sampling import sequence_logprobs
-from cgym.agents.local.training_ops import fused_norms_and_gates
+from cgym.agents.local.training_ops import fused_training_ops
 from cgym.agents.options import SamplingOptions
 from cgym.agents.pretrained import resolve_model
 from cgym.envs.credit import critiqued_turns, turn_rewards
@@ -475,7 +475,7 @@ def _update(state: TrainState, trajs: list[Trajectory], advantages: torch.Tensor
     chunks = tree_micro_batches(ids, groups, tree_budget(state.model)) if tree else group_micro_batches(ids, groups, cfg.micro_batch_size)  # a group's rows together; sized by tokens, like SFT's
     logprobs = tree_logprobs if tree else sequence_logprobs
     # frozen LoRA base weights cast once per update, not per call; fp32 adapters summed in one product; fp32 norms and gates one C pass each
-    with frozen_weights_cast(state.model), lean_adapters(state.model), fused_norms_and_gates(state.model):
+    with frozen_weights_cast(state.model), lean_adapters(state.model), fused_training_ops(state.model):
         for iteration in range(cfg.num_iterations):
             head = batch_head(state.model, moving.ids, moving.attention, moving.mask) if moving is not None else None  # run once per optimizer step
             for chunk, rows in enumerate(chunks):

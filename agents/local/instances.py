@@ -5,16 +5,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from types import ModuleType
 from typing import Any
 
 from torch import nn
 
 
 @contextmanager
-def replaced(modules: Sequence[nn.Module], name: str, value_for: Callable[[nn.Module], Any]) -> Iterator[int]:
+def replaced(modules: Sequence[nn.Module | ModuleType], name: str, value_for: Callable[[Any], Any]) -> Iterator[int]:
     """Within the block, each module's instance holds `value_for(module)` as `name` (a forward
-    there goes over its class's); afterwards the instance holds what it did before, or nothing.
-    Yields how many modules."""
+    there goes over its class's; a Python module's global is looked up there at each call);
+    afterwards the instance holds what it did before, or nothing. Yields how many modules."""
     saved = [module.__dict__.get(name, _ABSENT) for module in modules]
     for module in modules:
         setattr(module, name, value_for(module))

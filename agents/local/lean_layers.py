@@ -168,14 +168,14 @@ def lean_forward(
     normed = _rms_norm(hidden_states, self.input_layernorm)
     qkv = attn.qkv_proj(normed)
     assert position_embeddings is not None, "Llama layers are given their rotary embeddings"
-    rotated = _rotate_in_place(qkv, *position_embeddings, (qkv.shape[-1] - attn.qkv_proj.widths[-1]) // attn.head_dim)
+    in_place = _rotate_in_place(qkv, *position_embeddings, (qkv.shape[-1] - attn.qkv_proj.widths[-1]) // attn.head_dim)
     q, k, v = qkv.split(attn.qkv_proj.widths, dim=-1)
     q = q.view(batch, length, -1, attn.head_dim).transpose(1, 2)
     k = k.view(batch, length, -1, attn.head_dim).transpose(1, 2)
     v = v.view(batch, length, -1, attn.head_dim).transpose(1, 2)
-    if not rotated:
+    if not in_place:
         cos, sin = (t.unsqueeze(1) for t in position_embeddings)
-        q, k = _rotated(q, cos, sin), _rotated(k, cos, sin)
+        q, k = rotated(q, cos, sin), rotated(k, cos, sin)
     if cache is not None:
         k, v = cache.update(k, v, attn.layer_idx, kwargs=kwargs)
     attention = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, None)
@@ -202,7 +202,7 @@ def _rms_norm(x: Tensor, norm: nn.Module) -> Tensor:
     return norm.weight * wide.to(x.dtype)
 
 
-def _rotated(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+def rotated(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """The rotary embedding of (B, H, T, D) `x`: `x * cos + rotate_half(x) * sin`. In fp32 on the
     CPU, in one C pass forward and one backward (`_Rotary`), the same roundings as PyTorch's ops."""
     if _Rotary.fits(x, cos, sin):
@@ -212,7 +212,7 @@ def _rotated(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class _Rotary(torch.autograd.Function):
-    """`_rotated` for fp32 (B, H, T, D) `x` (rows of D contiguous) by (B or 1, 1, T, D) `cos`
+    """`rotated` for fp32 (B, H, T, D) `x` (rows of D contiguous) by (B or 1, 1, T, D) `cos`
     and `sin`. PyTorch's form makes four tensors forward (the product, the negated half, the
     concatenation, the second product) and as many backward; a training pass of SmolLM2 ran it
     for 30 layers' queries and keys (~0.2 s of an update's 15-18 s on 2 cores). Each output is
@@ -279,7 +279,7 @@ def _gated(gate_up: Tensor) -> Tensor:
 def _rotate_in_place(qkv: Tensor, cos: Tensor, sin: Tensor, heads: int) -> bool:
     """Rotate the first `heads` heads (the queries' and keys') of each (B, T) row of a fused
     projection's output in place, by (B, T, D) `cos` and `sin`, in one C call: bit for bit
-    `_rotated`, each product and the sum rounded to bf16 as PyTorch rounds them. False (nothing
+    `rotated`, each product and the sum rounded to bf16 as PyTorch rounds them. False (nothing
     done) where the kernel does not run."""
     head_dim = cos.shape[-1]
     lib = _library()

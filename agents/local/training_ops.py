@@ -1,4 +1,5 @@
-"""RMSNorm and the MLP's SiLU gate in one C pass each, forward and backward, for fp32 training.
+"""RMSNorm, the MLP's SiLU gate and the rotary embedding in one C pass each, forward and backward,
+for fp32 training.
 
 An fp32 training pass (a CPU without native bf16 trains in fp32) ran each of SmolLM2's 61 norms
 as six PyTorch ops forward (square, mean, add, rsqrt, two products) and about a dozen backward,
@@ -16,12 +17,17 @@ Each product is rounded as PyTorch rounds it, but the sum of squares runs in ano
 the sigmoid's exp is the kernels' own (`kernels.C_HEADER`), so outputs and gradients differ from
 PyTorch's in the last bits (`tests/agents/local/test_training_ops.py` holds them to it). fp32 on
 the CPU only, outside autocast, where the kernels run; anything else takes transformers' forward.
+
+The rotary embedding of the queries and keys (transformers' `apply_rotary_pos_emb`: a product,
+a negated and concatenated half, another product and a sum, each a new tensor, and as many
+backward) goes to `lean_layers.rotated`, whose C pass gives the same values.
 """
 
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Iterator
+import sys
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from functools import cache, partial
 from typing import Any
@@ -29,11 +35,12 @@ from typing import Any
 import torch
 from cgym.agents.local.instances import replaced
 from cgym.agents.local.kernels import C_HEADER, compiled, enabled
-from cgym.agents.local.lean_layers import SILU
+from cgym.agents.local.lean_layers import SILU, rotated
 from torch import Tensor, nn
 
 NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm")  # `w * (x * rsqrt(mean(x^2) + eps))`, as `lean_layers` reads them
 MLPS = ("LlamaMLP", "Qwen2MLP")  # `down(act(gate(x)) * up(x))`
+ATTENTIONS = ("LlamaAttention", "Qwen2Attention")  # their modules' `apply_rotary_pos_emb(q, k, cos, sin)` is `x cos + rotate_half(x) sin`
 
 _SOURCE = (
     C_HEADER
@@ -206,13 +213,31 @@ def _mlp_forward(mlp: nn.Module, x: Tensor) -> Tensor:
     return mlp.down_proj(gated(mlp.gate_proj(x), mlp.up_proj(x)))
 
 
+def _rotary_embedding(
+    original: Callable[..., tuple[Tensor, Tensor]], q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, unsqueeze_dim: int = 1
+) -> tuple[Tensor, Tensor]:
+    """transformers' `apply_rotary_pos_emb` for (B, H, T, D) queries and keys by (B, T, D) `cos`
+    and `sin`, through `rotated` (its C pass where it fits, PyTorch's ops otherwise: the same
+    values); any other layout goes to `original`."""
+    if unsqueeze_dim != 1 or q.dim() != 4 or cos.dim() != 3:
+        return original(q, k, cos, sin, unsqueeze_dim)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return rotated(q, cos, sin), rotated(k, cos, sin)
+
+
 @contextmanager
-def fused_norms_and_gates(model: nn.Module) -> Iterator[int]:
+def fused_training_ops(model: nn.Module) -> Iterator[int]:
     """Within the block, `model`'s RMSNorms (`NORMS`) and SiLU-gated MLPs (`MLPS`) run through
-    `rms_norm` and `gated`. Yields how many modules that covers (0 where the kernels do not run)."""
+    `rms_norm` and `gated`, and its attentions' (`ATTENTIONS`) rotary embedding through
+    `rotated`. Yields how many modules and rotary functions that covers (0 where the kernels do
+    not run). The rotary function is its modeling module's, replaced there for the block (the
+    attention's forward looks it up at each call): any model of that family in the process gets
+    the C pass meanwhile, with the same values."""
     if _library() is None:
         yield 0
         return
+    families = {type(m).__module__ for m in model.modules() if type(m).__name__ in ATTENTIONS}
+    rotaries = [module for module in (sys.modules.get(name) for name in sorted(families)) if callable(getattr(module, "apply_rotary_pos_emb", None))]
     norms = [m for m in model.modules() if type(m).__name__ in NORMS and hasattr(m, "variance_epsilon")]
     mlps = [
         m
@@ -222,4 +247,5 @@ def fused_norms_and_gates(model: nn.Module) -> Iterator[int]:
     with ExitStack() as stack:
         count = stack.enter_context(replaced(norms, "forward", lambda norm: partial(rms_norm, norm)))
         count += stack.enter_context(replaced(mlps, "forward", lambda mlp: partial(_mlp_forward, mlp)))
+        count += stack.enter_context(replaced(rotaries, "apply_rotary_pos_emb", lambda module: partial(_rotary_embedding, module.apply_rotary_pos_emb)))
         yield count

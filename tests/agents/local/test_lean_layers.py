@@ -200,7 +200,7 @@ def test_the_rotation_kernel_is_bit_for_bit_the_rotary_embedding() -> None:
     for start, count in ((0, heads), (heads, kv_heads)):
         part = fused[..., start * dim : (start + count) * dim].view(batch, steps, count, dim).transpose(1, 2)
         got = rotated[..., start * dim : (start + count) * dim].view(batch, steps, count, dim).transpose(1, 2)
-        assert torch.equal(got, lean_layers._rotated(part, cos.unsqueeze(1), sin.unsqueeze(1)))
+        assert torch.equal(got, lean_layers.rotated(part, cos.unsqueeze(1), sin.unsqueeze(1)))
     assert torch.equal(rotated[..., (heads + kv_heads) * dim :], fused[..., (heads + kv_heads) * dim :])  # the values untouched
     assert not lean_layers._rotate_in_place(fused.float(), cos.float(), sin.float(), heads)
 
@@ -236,7 +236,7 @@ def test_the_fp32_rotary_embedding_gives_pytorchs_values_and_gradients(batch: in
     fused, plain = x.detach().clone().requires_grad_(), x.detach().clone().requires_grad_()
     half = 32
     expected = plain * cos + torch.cat((-plain[..., half:], plain[..., :half]), dim=-1) * sin
-    got = lean_layers._rotated(fused, cos, sin)
+    got = lean_layers.rotated(fused, cos, sin)
     grad = torch.randn_like(got)
     got.backward(grad)
     expected.backward(grad)
@@ -253,6 +253,6 @@ def test_rotary_embeddings_the_kernel_does_not_take_run_pytorchs_ops() -> None:
     ):
         assert not lean_layers._Rotary.fits(*args)
         assert torch.allclose(
-            lean_layers._rotated(*args),
+            lean_layers.rotated(*args),
             args[0] * args[1] + torch.cat((-args[0][..., args[0].shape[-1] // 2 :], args[0][..., : args[0].shape[-1] // 2]), -1) * args[2],
         )

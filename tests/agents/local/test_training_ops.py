@@ -1,5 +1,6 @@
-"""RMSNorm and the SiLU gate in one C pass each (`training_ops`): transformers' outputs and
-gradients within fp32 rounding, and transformers' own forward wherever the kernels do not apply."""
+"""RMSNorm, the SiLU gate and the rotary embedding in one C pass each (`training_ops`):
+transformers' outputs and gradients within fp32 rounding (the rotary embedding's exactly), and
+transformers' own forward wherever the kernels do not apply."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ import torch
 from cgym.agents.local import training_ops
 from cgym.agents.local.precision import DTYPE_ENV, autocast
 from cgym.agents.local.sampling import sequence_logprobs
-from cgym.agents.local.training_ops import fused_norms_and_gates, gated, rms_norm
+from cgym.agents.local.training_ops import fused_training_ops, gated, rms_norm
 from cgym.trainer.recompute import recomputed_layers
 from transformers import AutoModelForCausalLM
+from transformers.models.llama import modeling_llama
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 pytestmark = pytest.mark.skipif(training_ops._library() is None, reason="the C kernels do not run here")
@@ -108,7 +110,7 @@ def test_a_model_under_the_block_gives_its_loss_and_lora_gradients_within_roundi
         return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.requires_grad}
 
     plain_loss, plain_grads = loss_and_grads()
-    with fused_norms_and_gates(model), recomputed_layers(model):  # the layers run again in the backward pass, through the kernels
+    with fused_training_ops(model), recomputed_layers(model):  # the layers run again in the backward pass, through the kernels
         recomputed_loss, recomputed_grads = loss_and_grads()
     torch.testing.assert_close(recomputed_loss, plain_loss, rtol=1e-5, atol=1e-4)
     for name, grad in recomputed_grads.items():
@@ -116,8 +118,8 @@ def test_a_model_under_the_block_gives_its_loss_and_lora_gradients_within_roundi
     calls = {"norm": 0, "gate": 0}
     monkeypatch.setattr(training_ops._Norm, "apply", _counting(training_ops._Norm.apply, calls, "norm"))
     monkeypatch.setattr(training_ops._Gate, "apply", _counting(training_ops._Gate.apply, calls, "gate"))
-    with fused_norms_and_gates(model) as count:
-        assert count == 2 * 2 + 1 + 2  # two layers' two norms, the final norm, two MLPs
+    with fused_training_ops(model) as count:
+        assert count == 2 * 2 + 1 + 2 + 1  # two layers' two norms, the final norm, two MLPs, Llama's rotary function
         loss, grads = loss_and_grads()
     assert calls == {"norm": 5, "gate": 2}  # every one ran in the kernels
     torch.testing.assert_close(loss, plain_loss, rtol=1e-5, atol=1e-4)
@@ -135,3 +137,42 @@ def _counting(apply, calls: dict[str, int], key: str):
         return apply(*args)
 
     return counted
+
+
+def test_the_rotary_embedding_under_the_block_is_transformers_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A LoRA model with 64-wide heads (the C pass's): under the block each layer rotates its
+    queries and keys in `lean_layers`' C pass, and the loss and every gradient are the same bits
+    as transformers' rotary embedding gives (the norms and gates left as transformers runs them);
+    after it, Llama's modeling module holds its own function again."""
+    pytest.importorskip("peft")
+    from cgym.agents.local import lean_layers
+    from cgym.agents.local.lora import with_lora
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=40, hidden_size=128, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
+    model = with_lora(LlamaForCausalLM(config), 4)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.05)
+
+    def loss_and_grads() -> tuple[torch.Tensor, list[torch.Tensor]]:
+        model.zero_grad(set_to_none=True)
+        loss = -sequence_logprobs(model, IDS, torch.ones_like(IDS)).sum()
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters() if p.requires_grad]
+
+    original = modeling_llama.apply_rotary_pos_emb
+    plain_loss, plain_grads = loss_and_grads()
+    calls = {"rotary": 0}
+    monkeypatch.setattr(lean_layers._Rotary, "apply", _counting(lean_layers._Rotary.apply, calls, "rotary"))
+    monkeypatch.setattr(training_ops, "NORMS", ())
+    monkeypatch.setattr(training_ops, "MLPS", ())
+    with fused_training_ops(model) as count:
+        assert count == 1
+        loss, grads = loss_and_grads()
+    assert calls["rotary"] == 2 * 2  # each layer's queries and keys
+    assert torch.equal(loss, plain_loss)
+    assert all(torch.equal(mine, theirs) for mine, theirs in zip(grads, plain_grads, strict=True))
+    assert modeling_llama.apply_rotary_pos_emb is original
