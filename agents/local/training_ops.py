@@ -214,13 +214,13 @@ def _mlp_forward(mlp: nn.Module, x: Tensor) -> Tensor:
 
 
 def _rotary_embedding(
-    original: Callable[..., tuple[Tensor, Tensor]], q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, unsqueeze_dim: int = 1
+    original: Callable[..., tuple[Tensor, Tensor]], q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *args: Any, **kwargs: Any
 ) -> tuple[Tensor, Tensor]:
     """transformers' `apply_rotary_pos_emb` for (B, H, T, D) queries and keys by (B, T, D) `cos`
     and `sin`, through `rotated` (its C pass where it fits, PyTorch's ops otherwise: the same
-    values); any other layout goes to `original`."""
-    if unsqueeze_dim != 1 or q.dim() != 4 or cos.dim() != 3:
-        return original(q, k, cos, sin, unsqueeze_dim)
+    values); any other call (another layout, more arguments) goes to `original`."""
+    if args or kwargs or q.dim() != 4 or cos.dim() != 3:
+        return original(q, k, cos, sin, *args, **kwargs)
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return rotated(q, cos, sin), rotated(k, cos, sin)
 

@@ -172,6 +172,9 @@ def test_the_rotary_embedding_under_the_block_is_transformers_bit_for_bit(monkey
     with fused_training_ops(model) as count:
         assert count == 1
         loss, grads = loss_and_grads()
+        q, k, cos, sin = torch.randn(1, 2, 5, 64), torch.randn(1, 1, 5, 64), torch.randn(1, 5, 64), torch.randn(1, 5, 64)
+        by_keyword = modeling_llama.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)  # transformers' own function takes it
+        assert all(torch.equal(a, b) for a, b in zip(by_keyword, original(q, k, cos, sin), strict=True))
     assert calls["rotary"] == 2 * 2  # each layer's queries and keys
     assert torch.equal(loss, plain_loss)
     assert all(torch.equal(mine, theirs) for mine, theirs in zip(grads, plain_grads, strict=True))
