@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cgym.agents.local.kv_cache import _FLASH_CPU, SPARE, GrowingLayer, split_attention
+from cgym.agents.local.kv_cache import _FLASH_CPU, SPARE, FirstBuffers, GrowingLayer, split_attention
 from transformers.cache_utils import DynamicLayer
 
 
@@ -29,6 +29,33 @@ def test_growing_layer_matches_dynamic_layer() -> None:
     grow.crop(-3)
     plain.crop(-3)
     torch.testing.assert_close(grow.keys, plain.keys)
+
+
+def test_a_caches_layers_take_their_first_buffers_from_one_block() -> None:
+    """Every layer's first keys and values are views of one allocation, each its own part of it
+    (and the same values as layers with their own buffers); a layer whose keys differ in shape
+    allocates its own; a layer that outgrows its part moves to a buffer of its own."""
+    torch.manual_seed(0)
+    first = FirstBuffers(3)
+    shared = [GrowingLayer(0, 12, first, i) for i in range(3)]
+    alone = [GrowingLayer(0, 12) for _ in range(3)]
+    ks = [(torch.randn(2, 2, 5, 4), torch.randn(2, 2, 5, 4)) for _ in range(3)]
+    for a, b, (k, v) in zip(shared, alone, ks, strict=True):
+        for got, want in zip(a.update(k, v), b.update(k, v), strict=True):
+            assert torch.equal(got, want)
+    assert first.block is not None and first.block.shape == (3, 2, 2, 2, 5 + SPARE, 4)  # the room a first update leaves
+    storages = {layer._k.untyped_storage().data_ptr() for layer in shared} | {layer._v.untyped_storage().data_ptr() for layer in shared}
+    assert storages == {first.block.untyped_storage().data_ptr()}
+    assert len({layer._k.data_ptr() for layer in shared} | {layer._v.data_ptr() for layer in shared}) == 6  # each its own part
+    assert all(torch.equal(layer.keys, k) and torch.equal(layer.values, v) for layer, (k, v) in zip(shared, ks, strict=True))
+    block = FirstBuffers(2)
+    top, odd = GrowingLayer(0, 12, block, 0), GrowingLayer(0, 12, block, 1)
+    top.update(torch.randn(2, 2, 5, 4), torch.randn(2, 2, 5, 4))
+    odd.update(torch.randn(2, 3, 5, 4), torch.randn(2, 3, 5, 4))  # three heads, not two: its own buffer
+    assert block.block is not None and odd._k.untyped_storage().data_ptr() != block.block.untyped_storage().data_ptr() and odd.keys.shape == (2, 3, 5, 4)
+    shared[0].update(torch.randn(2, 2, SPARE + 1, 4), torch.randn(2, 2, SPARE + 1, 4))  # past its room: a buffer of its own
+    assert shared[0]._k.untyped_storage().data_ptr() != first.block.untyped_storage().data_ptr()
+    assert torch.equal(shared[0].keys[:, :, :5], ks[0][0]) and torch.equal(shared[1].keys, ks[1][0])
 
 
 def test_a_decode_step_writes_in_place() -> None:
