@@ -25,10 +25,11 @@ WEAK_SFT = 0.05
 WEAK_SFT_HINT = "the SFT'd model solved almost no test task, so GRPO had little to sharpen; try a larger --sft-demos or another --seed"
 # Seconds on 2 quiet cores (SmolLM2, ApiReport easy), for the printed estimate only: (SFT demo,
 # GRPO step of 2 x 8, 100-episode eval) in fp32, where the CPU computes in bf16 (2e1fed0,
-# `quickstart_seed1_continuous_s16.json`: SFT 77 s for 64 demos, GRPO 44 s for 4 steps, compare
-# 87 s), and in fp32 with the kernels' bf16 sampling (an Ice Lake, `quickstart_seed0_icelake_s19.json`:
-# SFT 92 s, GRPO 77 s, compare 144 s).
-SECONDS_PER = {"float32": (2.2, 75.0, 60.0), "bfloat16": (1.2, 11.0, 29.0), "float32 with kernels": (1.45, 19.0, 48.0)}
+# `quickstart_seed1_continuous_s16.json`: GRPO 44 s for 4 steps, compare 87 s; its SFT phase runs
+# in fp32 since, 98 s for 64 demos in `quickstart_seed0_bf16_machine_fp32_s30.json`), and in fp32
+# with the kernels' bf16 sampling (an Ice Lake, `quickstart_seed0_icelake_s19.json`: SFT 92 s,
+# GRPO 77 s, compare 144 s).
+SECONDS_PER = {"float32": (2.2, 75.0, 60.0), "bfloat16": (1.55, 11.0, 29.0), "float32 with kernels": (1.45, 19.0, 48.0)}
 
 
 @dataclass(frozen=True)
@@ -77,12 +78,14 @@ class QuickstartPlan:
 
 def run(out: Path, plan: QuickstartPlan = QuickstartPlan(), *, console: Console | None = None) -> dict[str, Any]:
     """Run every phase; returns the timings, every arm's figures and GRPO's paired gain."""
+    import torch
     from cgym.agents.demos import demonstrations
     from cgym.agents.eval.compare import compare
     from cgym.agents.eval.evaluate import EvalConfig
     from cgym.agents.eval.report import write_reports
     from cgym.agents.local.allocator import release_freed_memory
     from cgym.agents.local.hf import HFPolicy
+    from cgym.agents.local.precision import computing_in
     from cgym.agents.options import SamplingOptions
     from cgym.agents.pretrained import resolve_model
     from cgym.trainer.config import TrainConfig
@@ -113,7 +116,8 @@ def run(out: Path, plan: QuickstartPlan = QuickstartPlan(), *, console: Console 
     console.rule(f"2/4 SFT warm start on {plan.sft_demos} scripted demonstrations")
     env_kwargs = {"difficulty": plan.difficulty, "max_turns": plan.max_turns}
     demos = demonstrations(ENV_ID, env_kwargs, episodes=plan.sft_demos, seed=plan.seed + 1)
-    sft(base, demos, out / "sft", lr=plan.sft_lr, epochs=plan.sft_epochs, seed=plan.seed, tool_layout=plan.tool_layout)
+    with computing_in(torch.float32):  # bf16 SFT learned far less from the same demos (`computing_in`)
+        sft(base, demos, out / "sft", lr=plan.sft_lr, epochs=plan.sft_epochs, seed=plan.seed, tool_layout=plan.tool_layout)
     phase("sft")
 
     console.rule(f"3/4 GRPO{' + Critique-GRPO' if plan.critique != 'none' else ''} on the train split ({plan.train_steps} steps of {plan.tasks_per_step} x {plan.group_size})")

@@ -12,6 +12,7 @@ import copy
 import os
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextvars import ContextVar
 from functools import cache, partial
 
 import torch
@@ -46,13 +47,30 @@ def cpu_has_bf16() -> bool:
     return onednn and native_bf16(cpu_flags())
 
 
+_CHOSEN: ContextVar[torch.dtype | None] = ContextVar("cgym_compute_dtype", default=None)
+
+
 def _forced() -> torch.dtype | None:
+    """`CGYM_DTYPE`'s dtype, else the one a `computing_in` block chose, else None."""
     forced = os.environ.get(DTYPE_ENV, "").strip().lower()
     if forced in ("float32", "fp32"):
         return torch.float32
     if forced in ("bfloat16", "bf16"):
         return torch.bfloat16
-    return None
+    return _CHOSEN.get()
+
+
+@contextmanager
+def computing_in(dtype: torch.dtype) -> Iterator[None]:
+    """Within the block, compute in `dtype` as `CGYM_DTYPE` would set it (which still wins: it
+    is the user's word). The quickstart's SFT phase trains in fp32 this way on every machine:
+    on the AVX512-BF16 machine bf16 SFT ended at 8-9% greedy success against 51% in fp32 from
+    the same demonstrations and steps (`benchmarks/RESULTS.md`)."""
+    token = _CHOSEN.set(dtype)
+    try:
+        yield
+    finally:
+        _CHOSEN.reset(token)
 
 
 def compute_dtype(device: torch.device | str = "cpu") -> torch.dtype:

@@ -85,3 +85,27 @@ def test_the_printed_estimate_follows_the_compute_dtype(monkeypatch: pytest.Monk
     monkeypatch.setattr(precision, "kernels_in_fp32", lambda: True)  # fp32 training, bf16 sampling in the kernels
     seconds["kernels"] = QuickstartPlan().expected_seconds
     assert 150 < seconds["bfloat16"] < 300 < seconds["kernels"] < 400 < 500 < seconds["float32"] < 800
+
+
+def test_the_sft_phase_trains_in_fp32_where_the_cpu_computes_in_bf16(tmp_path: Path, tiny_chat_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 SFT learned far less from the same demonstrations (`precision.computing_in`): the
+    quickstart's SFT phase computes in fp32, and the phases after it in the machine's dtype again."""
+    from cgym.agents.local import precision
+    from cgym.agents.local.precision import DTYPE_ENV, compute_dtype
+    from cgym.trainer import sft as sft_module
+
+    class Stop(Exception):
+        pass
+
+    seen: list[torch.dtype] = []
+
+    def stub(*args: object, **kwargs: object) -> None:
+        seen.append(compute_dtype())
+        raise Stop
+
+    monkeypatch.delenv(DTYPE_ENV, raising=False)
+    monkeypatch.setattr(precision, "cpu_has_bf16", lambda: True)
+    monkeypatch.setattr(sft_module, "sft", stub)
+    with pytest.raises(Stop):
+        run(tmp_path, QuickstartPlan(model=str(tiny_chat_model), **SMALL), console=Console(quiet=True))
+    assert seen == [torch.float32] and compute_dtype() == torch.bfloat16

@@ -260,3 +260,17 @@ def test_frozen_weights_cast_changes_nothing_in_fp32_or_full_fine_tuning(tiny_ch
     model.requires_grad_(False)
     with frozen_weights_cast(model) as layers:  # fp32 compute: no autocast to serve
         assert layers == 0 and not any("forward" in vars(m) for m in model.modules())
+
+
+def test_a_computing_in_block_sets_the_compute_dtype_and_the_env_still_wins(monkeypatch: pytest.MonkeyPatch) -> None:
+    from cgym.agents.local.precision import computing_in
+
+    monkeypatch.delenv(DTYPE_ENV, raising=False)
+    monkeypatch.setattr(precision, "cpu_has_bf16", lambda: True)
+    assert compute_dtype() == torch.bfloat16
+    with computing_in(torch.float32):
+        assert compute_dtype() == torch.float32 and not precision.kernels_in_fp32()  # as CGYM_DTYPE=float32 sets it
+        monkeypatch.setenv(DTYPE_ENV, "bfloat16")
+        assert compute_dtype() == torch.bfloat16  # the user's word
+        monkeypatch.delenv(DTYPE_ENV)
+    assert compute_dtype() == torch.bfloat16
