@@ -74,7 +74,8 @@ def computing_in(dtype: torch.dtype) -> Iterator[None]:
 
 
 def compute_dtype(device: torch.device | str = "cpu") -> torch.dtype:
-    """bf16 on GPUs and on CPUs with native bf16, else fp32; `CGYM_DTYPE` overrides."""
+    """bf16 on GPUs and on CPUs with native bf16, else fp32; `CGYM_DTYPE`, then a
+    `computing_in` block, overrides."""
     forced = _forced()
     if forced is not None:
         return forced
