@@ -80,14 +80,58 @@ def test_the_gate_and_its_gradients_match_silu_times_up_within_fp32_rounding(sha
         torch.testing.assert_close(mine, other, rtol=1e-5, atol=1e-5)
 
 
-def test_outside_fp32_or_under_autocast_the_ops_are_pytorchs() -> None:
+def test_under_autocast_fp32_rows_take_the_kernels_and_bf16_ones_pytorchs() -> None:
+    """Autocast leaves the norm's and the gate's ops in their inputs' dtype: fp32 rows (the
+    residual stream a bf16-autocast pass normalises) get the kernels' fp32 answer, bf16 ones
+    (its gates) PyTorch's ops."""
     norm, x = _norm(64), torch.randn(2, 3, 64)
     gate, up = torch.randn(4, 32), torch.randn(4, 32)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert torch.equal(rms_norm(norm, x), norm(x))
-        assert torch.equal(gated(gate, up), torch.nn.functional.silu(gate) * up)
-    half_gate, half_up = gate.bfloat16(), up.bfloat16()
-    assert torch.equal(gated(half_gate, half_up), torch.nn.functional.silu(half_gate) * half_up)
+    calls = {"norm": 0, "gate": 0}
+    outside = rms_norm(norm, x), gated(gate, up)
+    with pytest.MonkeyPatch.context() as patch, torch.autocast("cpu", dtype=torch.bfloat16):
+        patch.setattr(training_ops._Norm, "apply", _counting(training_ops._Norm.apply, calls, "norm"))
+        patch.setattr(training_ops._Gate, "apply", _counting(training_ops._Gate.apply, calls, "gate"))
+        inside = rms_norm(norm, x), gated(gate, up)
+        theirs = norm(x)
+        half_gate, half_up = gate.bfloat16(), up.bfloat16()
+        assert torch.equal(gated(half_gate, half_up), torch.nn.functional.silu(half_gate) * half_up)
+    assert calls == {"norm": 1, "gate": 1}
+    assert all(torch.equal(a, b) for a, b in zip(inside, outside, strict=True))
+    assert theirs.dtype == torch.float32  # transformers' norm under autocast: fp32 too
+    torch.testing.assert_close(inside[0], theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_queries_by_fp32_tables_rotate_as_pytorch_promotes_them() -> None:
+    """A bf16-autocast pass's rotary embedding: bf16 queries and keys, fp32 cos and sin. The C
+    pass takes them widened: the same outputs bit for bit, and gradients as close to float64's
+    as PyTorch's (which rounds each product's gradient to bf16 before adding them)."""
+    torch.manual_seed(2)
+    q, k = torch.randn(2, 4, 7, 64).bfloat16(), torch.randn(2, 2, 7, 64).bfloat16()
+    angles = torch.randn(1, 7, 64)
+    cos, sin = angles.cos(), angles.sin()
+    original = modeling_llama.apply_rotary_pos_emb
+    calls = {"rotary": 0}
+
+    def run(fn, wide: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        leaves = [(t.double() if wide else t.clone()).requires_grad_(True) for t in (q, k)]
+        tables = (cos.double(), sin.double()) if wide else (cos, sin)
+        outs = fn(*leaves, *tables)
+        sum((out * torch.linspace(-2.0, 2.0, out.numel(), dtype=out.dtype).view(out.shape)).sum() for out in outs).backward()
+        return [out.detach() for out in outs], [leaf.grad for leaf in leaves]
+
+    with pytest.MonkeyPatch.context() as patch:
+        from cgym.agents.local import lean_layers
+
+        patch.setattr(lean_layers._Rotary, "apply", _counting(lean_layers._Rotary.apply, calls, "rotary"))
+        ours, our_grads = run(lambda a, b, c, s: training_ops._rotary_embedding(original, a, b, c, s))
+    assert calls == {"rotary": 2}
+    theirs, their_grads = run(original)
+    _, exact_grads = run(original, wide=True)
+    assert all(out.dtype == torch.float32 for out in ours)
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
+    for mine, other, truth in zip(our_grads, their_grads, exact_grads, strict=True):
+        assert mine.dtype == torch.bfloat16
+        assert (mine.double() - truth).abs().max() <= (other.double() - truth).abs().max()
 
 
 def test_a_model_under_the_block_gives_its_loss_and_lora_gradients_within_rounding(tiny_chat_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -179,3 +223,42 @@ def test_the_rotary_embedding_under_the_block_is_transformers_bit_for_bit(monkey
     assert torch.equal(loss, plain_loss)
     assert all(torch.equal(mine, theirs) for mine, theirs in zip(grads, plain_grads, strict=True))
     assert modeling_llama.apply_rotary_pos_emb is original
+
+
+def test_under_bf16_autocast_the_norms_and_rotations_run_in_the_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A LoRA model's pass under bf16 autocast (a CPU with native bf16): under the block its
+    norms (fp32 rows) and its rotations (bf16 queries and keys, widened) run in the C passes and
+    its gates (bf16) as PyTorch's; the loss and every LoRA gradient are plain autocast's
+    within rounding."""
+    pytest.importorskip("peft")
+    from cgym.agents.local import lean_layers
+    from cgym.agents.local.lora import with_lora
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    monkeypatch.setenv(DTYPE_ENV, "bfloat16")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=40, hidden_size=128, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
+    model = with_lora(LlamaForCausalLM(config), 4)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.05)
+
+    def loss_and_grads() -> tuple[torch.Tensor, list[torch.Tensor]]:
+        model.zero_grad(set_to_none=True)
+        with autocast(model):
+            loss = -sequence_logprobs(model, IDS, torch.ones_like(IDS)).sum()
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters() if p.requires_grad]
+
+    plain_loss, plain_grads = loss_and_grads()
+    calls = {"norm": 0, "gate": 0, "rotary": 0}
+    monkeypatch.setattr(training_ops._Norm, "apply", _counting(training_ops._Norm.apply, calls, "norm"))
+    monkeypatch.setattr(training_ops._Gate, "apply", _counting(training_ops._Gate.apply, calls, "gate"))
+    monkeypatch.setattr(lean_layers._Rotary, "apply", _counting(lean_layers._Rotary.apply, calls, "rotary"))
+    with fused_training_ops(model):
+        loss, grads = loss_and_grads()
+    assert calls == {"norm": 2 * 2 + 1, "gate": 0, "rotary": 2 * 2}
+    torch.testing.assert_close(loss, plain_loss, rtol=1e-3, atol=1e-3)
+    for mine, theirs in zip(grads, plain_grads, strict=True):
+        assert (mine - theirs).norm() <= 0.02 * theirs.norm() + 1e-6
