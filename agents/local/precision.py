@@ -64,8 +64,9 @@ def _forced() -> torch.dtype | None:
 def computing_in(dtype: torch.dtype) -> Iterator[None]:
     """Within the block, compute in `dtype` as `CGYM_DTYPE` would set it (which still wins: it
     is the user's word). The quickstart's SFT phase trains in fp32 this way on every machine:
-    on the AVX512-BF16 machine bf16 SFT ended at 8-9% greedy success against 51% in fp32 from
-    the same demonstrations and steps (`benchmarks/RESULTS.md`)."""
+    on the AVX512-BF16 machine its short bf16 SFT (8 steps at 5e-5) ended at 8-9% greedy success
+    against 51% in fp32 from the same demonstrations and steps, where a longer or faster one
+    reaches 100% in either dtype (`benchmarks/RESULTS.md`)."""
     token = _CHOSEN.set(dtype)
     try:
         yield
