@@ -190,16 +190,8 @@ def test_the_rotary_embedding_under_the_block_is_transformers_bit_for_bit(monkey
     after it, Llama's modeling module holds its own function again."""
     pytest.importorskip("peft")
     from cgym.agents.local import lean_layers
-    from cgym.agents.local.lora import with_lora
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=40, hidden_size=128, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
-    model = with_lora(LlamaForCausalLM(config), 4)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.05)
+    model = _llama_lora_with_wide_heads()
 
     def loss_and_grads() -> tuple[torch.Tensor, list[torch.Tensor]]:
         model.zero_grad(set_to_none=True)
@@ -232,17 +224,9 @@ def test_under_bf16_autocast_the_norms_and_rotations_run_in_the_kernels(monkeypa
     within rounding."""
     pytest.importorskip("peft")
     from cgym.agents.local import lean_layers
-    from cgym.agents.local.lora import with_lora
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     monkeypatch.setenv(DTYPE_ENV, "bfloat16")
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=40, hidden_size=128, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
-    model = with_lora(LlamaForCausalLM(config), 4)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.05)
+    model = _llama_lora_with_wide_heads()
 
     def loss_and_grads() -> tuple[torch.Tensor, list[torch.Tensor]]:
         model.zero_grad(set_to_none=True)
@@ -262,3 +246,19 @@ def test_under_bf16_autocast_the_norms_and_rotations_run_in_the_kernels(monkeypa
     torch.testing.assert_close(loss, plain_loss, rtol=1e-3, atol=1e-3)
     for mine, theirs in zip(grads, plain_grads, strict=True):
         assert (mine - theirs).norm() <= 0.02 * theirs.norm() + 1e-6
+
+
+def _llama_lora_with_wide_heads() -> torch.nn.Module:
+    """A two-layer Llama with 64-wide heads (the rotary C pass's) and rank-4 LoRA adapters
+    that act (peft starts B at zero)."""
+    from cgym.agents.local.lora import with_lora
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=40, hidden_size=128, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
+    model = with_lora(LlamaForCausalLM(config), 4)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.05)
+    return model
