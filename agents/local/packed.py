@@ -9,16 +9,22 @@ sampler folds or copies them for a new optimizer step.
 
 Where this project's C kernels run (`agents.local.kernels`), the weights are packed for one of
 its own instead: sixteen outputs a block, each as pairs of inputs, summed with `vdpbf16ps` for
-five rows at a time against four blocks. oneDNN read the weights at 12-19 GB/s for the few rows
+six rows at a time against four blocks (five without AVX512-BF16, below). oneDNN read the
+weights at 12-19 GB/s for the few rows
 of a decode step; this kernel at up to 31, and matches it at hundreds of rows (SmolLM2's 120
 body layers, ad hoc `few_rows_kernel.py`: 7.7 against 10.1 ms for 5 rows, 15.6 against 19.0 for
 20, 60.0 against 65.1 for 100, 349.9 against 344.5 for 600). Its sums run in the order oneDNN's
 few-row kernel runs them, so a step of a few rows gives the same bits; past ~16 rows oneDNN
 blocks its sums otherwise, and outputs may differ in the last bf16 bit.
 
-A last block of fewer than five rows runs as a tile of its own rows (it had run five, repeating
-its last): the same sums, and on SmolLM2's layers (2-core Ice Lake, weights in cache, ad hoc
+A last block of fewer rows runs as a tile of its own rows (it had run a whole one, repeating its
+last): the same sums, and on SmolLM2's layers (2-core Ice Lake, weights in cache, ad hoc
 `small_m.py`) one row of a 576 -> 3072 layer took 59 against 173 us, six rows 139 against 207.
+Six rows a tile rather than five (the thirty-first session, on the 2-core AVX512-BF16 EPYC): a
+pass over SmolLM2's 121 packed layers, out of cache, alternated 9 times (ad hoc `rb_bench.py`),
+took as long or less at every row count tried, 1 to 512 (the old time over the new): 1.00-1.03x
+at 1 row, 1.05-1.09x at 8, 1.08x at 12, 1.06x at 16 and 32, 1.02x at 24, 1.01-1.03x at 64-512. A tile's row count changes which rows share a weight load, not
+any sum's order: the same bits.
 
 On a CPU without AVX512-BF16 each pair's two products are two FMAs on widened operands, in the
 same order, so every path below gives the same bits. From 3 rows on, the call's rows are widened
@@ -62,8 +68,12 @@ _LINEAR = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
 _SOURCE = (
     C_HEADER
     + r"""
-#define RB 5 /* rows a block: a decode step's drafts are 1 + 4 ids a row */
-#define CB 4 /* blocks of 16 outputs a block: 20 accumulators, 4 weight vectors */
+#ifdef __AVX512BF16__
+#define RB 6 /* rows a block: 24 accumulators and 4 weight vectors, 28 of the 32 registers (below) */
+#else
+#define RB 5 /* the widened FMAs below need registers of their own */
+#endif
+#define CB 4 /* blocks of 16 outputs a block */
 #define AHEAD 24 /* lines fetched ahead in each block's weights: a few-row step streams them from memory (below) */
 
 /* acc[r][c] += row r's pairs (xr[r]) dotted with block c's (wg: CB blocks of pairs x 16 u32), R rows:
@@ -73,7 +83,7 @@ static inline __attribute__((always_inline)) void dot_tile(const uint32_t *const
         __m512bh wv[CB];
         for (int c = 0; c < CB; c++) wv[c] = (__m512bh)_mm512_load_si512(wg + (c * pairs + i) * 16);
         for (int c = 0; c < CB; c++) _mm_prefetch((const char *)(wg + (c * pairs + i + AHEAD) * 16), _MM_HINT_T0);
-#pragma GCC unroll 5
+#pragma GCC unroll 6
         for (int r = 0; r < R; r++) {
             __m512bh xv = (__m512bh)_mm512_set1_epi32((int)xr[r][i]);
             for (int c = 0; c < CB; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, wv[c]);
@@ -112,6 +122,9 @@ static void pair_dot(const uint16_t *x, const uint32_t *w, const float *bias, ui
                 for (int c = 0; c < CB; c++) acc[r][c] = _mm512_setzero_ps();
             if (cb == CB)
                 switch (rows) { /* a short last block: a tile of its own rows, not a full one */
+#if RB > 5
+                    case 6: dot_tile(xr, wg, pairs, 6, acc); break;
+#endif
                     case 5: dot_tile(xr, wg, pairs, 5, acc); break;
                     case 4: dot_tile(xr, wg, pairs, 4, acc); break;
                     case 3: dot_tile(xr, wg, pairs, 3, acc); break;
