@@ -10,10 +10,10 @@ sampler folds or copies them for a new optimizer step.
 Where this project's C kernels run (`agents.local.kernels`), the weights are packed for one of
 its own instead: sixteen outputs a block, each as pairs of inputs, summed with `vdpbf16ps` for
 six rows at a time against four blocks (five without AVX512-BF16, below). oneDNN read the
-weights at 12-19 GB/s for the few rows
-of a decode step; this kernel at up to 31, and matches it at hundreds of rows (SmolLM2's 120
-body layers, ad hoc `few_rows_kernel.py`: 7.7 against 10.1 ms for 5 rows, 15.6 against 19.0 for
-20, 60.0 against 65.1 for 100, 349.9 against 344.5 for 600). Its sums run in the order oneDNN's
+weights at 12-19 GB/s for the few rows of a decode step; this kernel (at five rows a tile) at up
+to 31, and matches it at hundreds of rows (SmolLM2's 120 body layers, ad hoc
+`few_rows_kernel.py`: 7.7 against 10.1 ms for 5 rows, 15.6 against 19.0 for 20, 60.0 against
+65.1 for 100, 349.9 against 344.5 for 600). Its sums run in the order oneDNN's
 few-row kernel runs them, so a step of a few rows gives the same bits; past ~16 rows oneDNN
 blocks its sums otherwise, and outputs may differ in the last bf16 bit.
 
@@ -23,8 +23,8 @@ last): the same sums, and on SmolLM2's layers (2-core Ice Lake, weights in cache
 Six rows a tile rather than five (the thirty-first session, on the 2-core AVX512-BF16 EPYC): a
 pass over SmolLM2's 121 packed layers, out of cache, alternated 9 times (ad hoc `rb_bench.py`),
 took as long or less at every row count tried, 1 to 512 (the old time over the new): 1.00-1.03x
-at 1 row, 1.05-1.09x at 8, 1.08x at 12, 1.06x at 16 and 32, 1.02x at 24, 1.01-1.03x at 64-512. A tile's row count changes which rows share a weight load, not
-any sum's order: the same bits.
+at 1 row, 1.05-1.09x at 8, 1.08x at 12, 1.06x at 16 and 32, 1.02x at 24, 1.01-1.03x at 64-512.
+A tile's row count changes which rows share a weight load, not any sum's order: the same bits.
 
 On a CPU without AVX512-BF16 each pair's two products are two FMAs on widened operands, in the
 same order, so every path below gives the same bits. From 3 rows on, the call's rows are widened
