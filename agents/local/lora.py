@@ -49,29 +49,38 @@ def lora_config(rank: int) -> Any:
 
 @contextmanager
 def lean_adapters(model: torch.nn.Module) -> Iterator[int]:
-    """Within the block, `model`'s plain LoRA layers add their adapter's output as one product,
-    `base(x) += s (A x) B^T` in a single `addmm_` into the base product's own output, where peft
-    writes three full-size tensors (the adapter's output, its scaling, the sum) and its backward a
-    fourth (the scaled gradient); the scale then falls on rank-wide tensors only. (An out-of-place
-    `addmm` copied the base output first: 0.67-0.81 against 0.26-0.27 s of copies in a SmolLM2
-    update on the Ice Lake, torch.profiler, ad hoc `lora_prof.py`.) Yields how many layers that covers.
+    """Within the block, `model`'s plain LoRA layers (one adapter, no dropout, no DoRA, no hook
+    on the base layer) take fewer products than peft's forward; yields how many layers that covers.
 
-    In fp32 outside autocast only; anywhere else (bf16 autocast, dropout, several adapters, DoRA,
-    disabled or merged adapters) a layer runs peft's forward. Where the scale alpha / r is a power
-    of two (`with_lora`'s 2) nothing rounds differently: the outputs and gradients are peft's bit
-    for bit (`tests/agents/local/test_lora.py`). Its effect on SmolLM2's update on the Ice Lake:
-    `benchmarks/RESULTS.md`."""
+    - In fp32 outside autocast, the adapter's output joins the base product as one product,
+      `base(x) += s (A x) B^T` in a single `addmm_` into the base product's own output, where peft
+      writes three full-size tensors (the adapter's output, its scaling, the sum) and its backward a
+      fourth (the scaled gradient); the scale then falls on rank-wide tensors only. (An out-of-place
+      `addmm` copied the base output first: 0.67-0.81 against 0.26-0.27 s of copies in a SmolLM2
+      update on the Ice Lake, torch.profiler, ad hoc `lora_prof.py`.) Where the scale alpha / r is
+      a power of two (`with_lora`'s 2) nothing rounds differently: the outputs and gradients are
+      peft's bit for bit (`tests/agents/local/test_lora.py`).
+    - Under autocast to a lower dtype (bf16 on a CPU with native bf16), a layer multiplies by its
+      folded weight `W + s B A` cast to that dtype, made once per version of the weights: the
+      weight the sampler's folded copy holds (`folded`), bit for bit, so the update's forward
+      scores the policy that sampled. Its backward takes `dx` through the folded weight too, and
+      the adapters' gradients from `A x` and `g B`: two of peft's six rank-wide products, and its
+      full-size scalings and sums, are gone (`_FoldedProduct`). The sums round differently from
+      peft's (within bf16 rounding, `tests/agents/local/test_lora.py`).
+
+    Anywhere else (dropout, several adapters, DoRA, disabled or merged adapters, a trained bias) a
+    layer runs peft's forward. Its effect on SmolLM2's update: `benchmarks/RESULTS.md`."""
     from peft.tuners.lora.layer import Linear
 
     layers = [module for module in model.modules() if type(module) is Linear]  # not peft's quantized or other layer kinds
-    with replaced(layers, "forward", lambda layer: partial(_adapted, layer)) as count:
+    weights = _FoldedWeights()
+    with replaced(layers, "forward", lambda layer: partial(_adapted, layer, weights)) as count:
         yield count
 
 
-def _adapted(layer: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    """A peft LoRA `Linear`'s forward with its one adapter's sum in one `addmm_` (`lean_adapters`).
-    The base product runs on the rows flattened (as `F.linear` flattens them) and the adapter on
-    `x` as it comes: the gradients into `x` then add up in peft's order, bit for bit."""
+def _plain_adapter(layer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+    """The name of `layer`'s one active adapter where `lean_adapters` may take over its forward
+    with these arguments; None where peft's forward must run."""
     names = [name for name in layer.active_adapters if name in layer.lora_A]
     name = names[0] if len(names) == 1 else None
     plain = (
@@ -84,16 +93,87 @@ def _adapted(layer: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Te
         and not getattr(layer, "use_dora", {}).get(name, False)  # and older peft's DoRA
         and isinstance(layer.lora_dropout[name], torch.nn.Identity)
         and layer.lora_B[name].bias is None
-        and x.dtype == layer.lora_A[name].weight.dtype == layer.lora_B[name].weight.dtype == layer.get_base_layer().weight.dtype == torch.float32
-        and not torch.is_autocast_enabled(x.device.type)
-        and not _hooked(layer.base_layer)  # the base product is summed into in place: nothing else may hold it
+        and not _hooked(layer.base_layer)  # its output is summed into in place, or never made
     )
-    if not plain:
+    return name if plain else None
+
+
+def _adapted(layer: Any, weights: _FoldedWeights, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """A peft LoRA `Linear`'s forward in fewer products (`lean_adapters`), else peft's own."""
+    name = _plain_adapter(layer, args, kwargs)
+    if name is None:
         return type(layer).forward(layer, x, *args, **kwargs)
+    base, lora_a, lora_b = layer.get_base_layer(), layer.lora_A[name].weight, layer.lora_B[name].weight
+    fp32 = x.dtype == lora_a.dtype == lora_b.dtype == base.weight.dtype == torch.float32
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        trained_bias = base.bias is not None and base.bias.requires_grad
+        if dtype == torch.float32 or base.weight.requires_grad or trained_bias or x.dtype not in (torch.float32, dtype):
+            return type(layer).forward(layer, x, *args, **kwargs)
+        weight, bias = weights.of(layer, name, dtype)
+        return _FoldedProduct.apply(x, weight, bias, lora_a, lora_b, layer.scaling[name])
+    if not fp32:
+        return type(layer).forward(layer, x, *args, **kwargs)
+    return _summed(layer, name, x)
+
+
+def _summed(layer: Any, name: str, x: torch.Tensor) -> torch.Tensor:
+    """An fp32 layer's forward with its adapter's sum in one `addmm_`. The base product runs on
+    the rows flattened (as `F.linear` flattens them) and the adapter on `x` as it comes: the
+    gradients into `x` then add up in peft's order, bit for bit."""
     result = layer.base_layer(x.reshape(-1, x.shape[-1]))  # a new tensor that its product's backward pass does not read: summed into in place
     hidden = layer.lora_A[name](x)
     result.addmm_(hidden.reshape(-1, hidden.shape[-1]), layer.lora_B[name].weight.t(), alpha=layer.scaling[name])
     return result.view(*x.shape[:-1], result.shape[-1])
+
+
+class _FoldedWeights:
+    """Each adapted layer's folded weight `W + s B A` (and its frozen bias) in a compute dtype,
+    made as `folded` makes the sampler's and kept until any of the three tensors changes (an
+    optimizer step bumps their version counters)."""
+
+    def __init__(self) -> None:
+        self._made: dict[int, tuple[tuple[int, ...], torch.Tensor, torch.Tensor | None]] = {}
+
+    def of(self, layer: Any, name: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+        base = layer.get_base_layer()
+        tensors = (base.weight, layer.lora_A[name].weight, layer.lora_B[name].weight)
+        key = (*(id(t) for t in tensors), *(t._version for t in tensors), id(dtype))
+        made = self._made.get(id(layer))
+        if made is None or made[0] != key:
+            with torch.no_grad(), torch.autocast(base.weight.device.type, enabled=False):  # the fold in fp32, as the sampler's
+                weight = (base.weight + layer.get_delta_weight(name)).to(dtype)
+                bias = None if base.bias is None else base.bias.detach().to(dtype)
+            made = self._made[id(layer)] = (key, weight, bias)
+        return made[1], made[2]
+
+
+class _FoldedProduct(torch.autograd.Function):
+    """`x W'^T + bias` with `W' = W + s B A` folded in the compute dtype, and the gradients of
+    LoRA's `x W^T + s (x A^T) B^T`, `W'` read for `W + s B A`: with `u = x A^T` and `g` the output's
+    gradient, `dx = g W'`, `dB = s g^T u` and `dA = s (g B)^T x`, each product in the compute dtype
+    and the adapters' gradients scaled in their own (fp32)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1]).to(weight.dtype)
+        a, b = lora_a.to(weight.dtype), lora_b.to(weight.dtype)
+        out = torch.nn.functional.linear(flat, weight, bias)
+        ctx.save_for_backward(flat, flat @ a.t() if ctx.needs_input_grad[4] else None, weight, a, b)
+        ctx.scale, ctx.x_dtype, ctx.x_shape, ctx.a_dtype, ctx.b_dtype = scale, x.dtype, x.shape, lora_a.dtype, lora_b.dtype
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        flat, hidden, weight, a, b = ctx.saved_tensors
+        g = grad.reshape(-1, grad.shape[-1]).to(weight.dtype)
+        dx = (g @ weight).view(ctx.x_shape).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
+        da = ((g @ b).t() @ flat).to(ctx.a_dtype).mul_(ctx.scale) if ctx.needs_input_grad[3] else None
+        db = (g.t() @ hidden).to(ctx.b_dtype).mul_(ctx.scale) if ctx.needs_input_grad[4] else None
+        return dx, None, None, da, db, None
 
 
 def _hooked(module: torch.nn.Module) -> bool:

@@ -13,6 +13,7 @@ import os
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from contextvars import ContextVar
+from dataclasses import dataclass
 from functools import cache, partial
 
 import torch
@@ -122,9 +123,9 @@ def autocast(model: torch.nn.Module) -> AbstractContextManager[object]:
 @contextmanager
 def frozen_weights_cast(model: torch.nn.Module) -> Iterator[int]:
     """Within the block, the frozen linear layers of fp32 `model` (a LoRA model's base layers and
-    its tied LM head) read one copy of their weights in the compute dtype, made at entry, under
-    `autocast`; yields how many layers that covers (0 where nothing changes: fp32 compute, a
-    model that is not fp32, or one with no frozen linear layers).
+    its tied LM head) read one copy of their weights in the compute dtype under `autocast`, made at
+    a layer's first call there; yields how many layers that covers (0 where nothing changes: fp32
+    compute, a model that is not fp32, or one with no frozen linear layers).
 
     Autocast keeps its casts only of weights that take gradients, so a frozen weight was cast
     again at every call: in every micro-batch's forward, in each recomputed layer, and once more
@@ -148,15 +149,31 @@ def frozen_weights_cast(model: torch.nn.Module) -> Iterator[int]:
 
 def _cast_forward(layer: torch.nn.Linear, *, dtype: torch.dtype) -> Callable[..., torch.Tensor]:
     """`layer`'s forward reading its weights cast to `dtype` once (`frozen_weights_cast`)."""
-    bias = None if layer.bias is None else layer.bias.detach().to(dtype)
-    return partial(_linear_in, layer, layer.weight.detach().to(dtype), bias)
+    return partial(_linear_in, layer, _Cast(layer, dtype))
 
 
-def _linear_in(layer: torch.nn.Linear, weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
-    """`layer`'s forward on its `weight` copy where autocast runs in that copy's dtype."""
+@dataclass
+class _Cast:
+    """`layer`'s weight and bias cast to `dtype`, made at the first call that reads them: a
+    LoRA base layer whose adapted layer multiplies by its folded weight (`lora.lean_adapters`)
+    never calls its own forward, and its copy is never made."""
+
+    layer: torch.nn.Linear
+    dtype: torch.dtype
+    weights: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    def __call__(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.weights is None:
+            bias = self.layer.bias
+            self.weights = (self.layer.weight.detach().to(self.dtype), None if bias is None else bias.detach().to(self.dtype))
+        return self.weights
+
+
+def _linear_in(layer: torch.nn.Linear, cast: _Cast, x: torch.Tensor) -> torch.Tensor:
+    """`layer`'s forward on its `cast` copy where autocast runs in that copy's dtype."""
     device = x.device.type
-    if torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == weight.dtype:
-        return torch.nn.functional.linear(x, weight, bias)
+    if torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == cast.dtype:
+        return torch.nn.functional.linear(x, *cast())
     return torch.nn.functional.linear(x, layer.weight, layer.bias)
 
 

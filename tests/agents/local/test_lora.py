@@ -1,5 +1,6 @@
-"""LoRA layers whose adapter joins the base product in one `addmm` (`lean_adapters`): the same
-bits as peft's forward and gradients in fp32, and peft's own forward everywhere else."""
+"""LoRA layers in fewer products (`lean_adapters`): in fp32 the adapter joins the base product in
+one `addmm`, with peft's bits; under bf16 autocast a layer multiplies by its folded weight, the
+sampler's bits; peft's own forward everywhere else."""
 
 from __future__ import annotations
 
@@ -128,21 +129,79 @@ def test_another_scale_rounds_at_most_differently(tiny_chat_model: Path, monkeyp
     assert all(torch.allclose(plain[1][k], lean[1][k], rtol=1e-4, atol=1e-6) for k in plain[1])
 
 
-def test_bf16_autocast_and_disabled_adapters_take_pefts_forward(tiny_chat_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_under_bf16_autocast_a_layer_multiplies_by_the_samplers_folded_weight(tiny_chat_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The update's forward scores the policy that sampled: a LoRA model under bf16 autocast gives
+    the log-probabilities of its folded copy (`merged`) under autocast, bit for bit, each layer's
+    folded weight the sampler's (`folded`) bit for bit, and a new one after the adapters change."""
+    from cgym.agents.local.lora import folded, merged
+
+    model = _lora_model(tiny_chat_model)
+    monkeypatch.setenv(DTYPE_ENV, "bfloat16")
+    mask = torch.ones_like(IDS)
+    adapters = [param for param in model.parameters() if param.requires_grad]
+    copies = [merged(model)]  # folded in fp32, outside autocast, as the sampler's copy is
+    with torch.no_grad():
+        for param in adapters:
+            param.mul_(0.5)
+        copies.append(merged(model))
+        for param in adapters:
+            param.mul_(2.0)
+    with torch.no_grad(), autocast(model):
+        peft = sequence_logprobs(model, IDS, mask)
+        with lean_adapters(model) as layers:
+            assert layers == 2 * 7
+            lean = sequence_logprobs(model, IDS, mask)
+            for param in adapters:
+                param.mul_(0.5)  # an optimizer step, in place: the folded weights must follow
+            moved = sequence_logprobs(model, IDS, mask)
+        for param in adapters:
+            param.mul_(2.0)
+        folded_copy, moved_copy = (sequence_logprobs(copy, IDS, mask) for copy in copies)
+    assert torch.equal(moved, moved_copy)
+    assert torch.equal(lean, folded_copy) and not torch.equal(moved, lean)
+    assert not torch.equal(lean, peft)  # peft rounds its three products apart
+    sampler = dict(folded(model, torch.bfloat16).named_modules())
+    with lean_adapters(model):
+        layer = next(m for m in model.modules() if hasattr(m, "lora_A"))
+        weights = vars(layer)["forward"].args[1]
+        name = next(n for n, m in model.get_base_model().named_modules() if m is layer)
+        weight, bias = weights.of(layer, "default", torch.bfloat16)
+        assert torch.equal(weight, sampler[name].weight) and torch.equal(bias, sampler[name].bias)
+
+
+def test_under_bf16_autocast_the_gradients_are_as_close_to_fp32_as_pefts(tiny_chat_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _lora_model(tiny_chat_model)
+    monkeypatch.setenv(DTYPE_ENV, "float32")
+    exact = _loss_and_grads(model)
+    monkeypatch.setenv(DTYPE_ENV, "bfloat16")
+    peft = _loss_and_grads(model)
+    with lean_adapters(model):
+        lean = _loss_and_grads(model)
+    assert lean[1].keys() == exact[1].keys()
+
+    def error(grads: dict[str, torch.Tensor]) -> float:
+        return max(float((grads[k] - exact[1][k]).norm() / exact[1][k].norm()) for k in exact[1])
+
+    assert error(lean[1]) < 0.05 and error(lean[1]) < 2 * error(peft[1])
+    assert abs(float(lean[0] - exact[0])) < 0.05 * abs(float(exact[0]))
+    assert all(param.grad is None for param in model.parameters() if not param.requires_grad)  # the base takes none
+
+
+def test_bf16_autocast_with_dropout_a_hook_or_disabled_adapters_takes_pefts_forward(tiny_chat_model: Path) -> None:
     model = _lora_model(tiny_chat_model)
     layer = next(m for m in model.modules() if hasattr(m, "lora_A"))
     x = torch.randn(3, layer.in_features)
-    with torch.no_grad(), lean_adapters(model):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            assert "AddmmBackward0" not in _layer_graph(model)
-            mixed = layer(x)
-        with model.disable_adapter():
-            bare = layer(x)
-    with torch.no_grad():
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            assert torch.equal(mixed, layer(x))
-        assert torch.equal(bare, layer.get_base_layer()(x))
-        assert not torch.equal(bare, layer(x))  # the adapters act when enabled
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        peft = layer(x)
+        with lean_adapters(model):
+            assert not torch.equal(layer(x), peft)  # folded: rounds apart from peft
+            with model.disable_adapter():
+                assert torch.equal(layer(x), layer.get_base_layer()(x))
+            handle = layer.base_layer.register_forward_hook(lambda module, args, output: None)
+            assert torch.equal(layer(x), peft)
+            handle.remove()
+            layer.lora_dropout["default"] = torch.nn.Dropout(0.0)
+            assert torch.equal(layer(x), peft)
 
 
 def test_dora_layers_take_pefts_forward(tiny_chat_model: Path) -> None:
@@ -162,3 +221,18 @@ def test_dora_layers_take_pefts_forward(tiny_chat_model: Path) -> None:
             assert torch.equal(layer(x), plain)
     with lean_adapters(model):
         assert "AddmmBackward0" not in _layer_graph(model)
+
+
+def test_a_folded_layers_base_makes_no_cast_copy_of_its_weight(tiny_chat_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under `frozen_weights_cast` too, a layer that multiplies by its folded weight never calls
+    its base layer, whose bf16 copy is then never made (one copy of the weights, not two); the
+    tied LM head still reads its own."""
+    from cgym.agents.local.precision import frozen_weights_cast
+
+    model = _lora_model(tiny_chat_model)
+    monkeypatch.setenv(DTYPE_ENV, "bfloat16")
+    with frozen_weights_cast(model), lean_adapters(model):
+        _loss_and_grads(model)
+        casts = {name: vars(module)["forward"].args[1].weights for name, module in model.named_modules() if "forward" in vars(module) and name.endswith(("base_layer", "lm_head"))}
+    assert len(casts) == 2 * 7 + 1
+    assert all((copy is None) == name.endswith("base_layer") for name, copy in casts.items())
