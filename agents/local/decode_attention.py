@@ -132,10 +132,11 @@ static inline __attribute__((always_inline)) void block_products(const uint32_t 
 /* scores[m][s] = (q_m . key s) * scale for n packed keys, in blocks of qb <= QB queries; MASKED
    past n and where seen[m] (a row of n visibility bytes, or NULL: every key) says 0, a block of
    sixteen keys no query of a block sees skipped. peak[m] rises to the largest; span (or NULL)
-   widens to [first, last + 1) of the blocks some query sees. Key blocks go two at a time where
-   both are seen. Inlined with qb a constant, so each block size gets its own loops. */
+   widens to [first, last + 1) of the blocks some query sees, and alive[j] (or NULL) turns 1 for
+   each block j some query sees. Key blocks go two at a time where both are seen. Inlined with qb
+   a constant, so each block size gets its own loops. */
 static inline __attribute__((always_inline)) void score_blocks(const uint32_t *kp, long n, const uint16_t **qm, const uint8_t **seen, long M,
-                         float scale, float *scores, long width, float *peak, long *span, const int qb) {
+                         float scale, float *scores, long width, float *peak, long *span, uint8_t *alive, const int qb) {
     long blocks = (n + 15) / 16;
     const __m512 scaled = _mm512_set1_ps(scale), masked = _mm512_set1_ps(MASKED);
     for (long m0 = 0; m0 < M; m0 += qb) {
@@ -175,6 +176,7 @@ static inline __attribute__((always_inline)) void score_blocks(const uint32_t *k
                     if (jb < span[0]) span[0] = jb;
                     if (jb + 1 > span[1]) span[1] = jb + 1;
                 }
+                if (alive) alive[jb] = 1;
                 for (int r = 0; r < rows; r++) {
                     __m512 x = _mm512_mask_mul_ps(masked, live[b][r], sums[r], scaled);
                     top[r] = _mm512_max_ps(top[r], x);
@@ -192,13 +194,13 @@ static inline __attribute__((always_inline)) void score_blocks(const uint32_t *k
 /* score_blocks in blocks of 8 queries, or of a decode step's 1-4 as they come (a block of 8 or 4
    spent its other products on repeated queries) */
 static void score_packed(const uint32_t *kp, long n, const uint16_t **qm, const uint8_t **seen, long M,
-                         float scale, float *scores, long width, float *peak, long *span) {
+                         float scale, float *scores, long width, float *peak, long *span, uint8_t *alive) {
     switch (M) {
-        case 1: score_blocks(kp, n, qm, seen, M, scale, scores, width, peak, span, 1); return;
-        case 2: score_blocks(kp, n, qm, seen, M, scale, scores, width, peak, span, 2); return;
-        case 3: score_blocks(kp, n, qm, seen, M, scale, scores, width, peak, span, 3); return;
-        case 4: score_blocks(kp, n, qm, seen, M, scale, scores, width, peak, span, 4); return;
-        default: score_blocks(kp, n, qm, seen, M, scale, scores, width, peak, span, QB);
+        case 1: score_blocks(kp, n, qm, seen, M, scale, scores, width, peak, span, alive, 1); return;
+        case 2: score_blocks(kp, n, qm, seen, M, scale, scores, width, peak, span, alive, 2); return;
+        case 3: score_blocks(kp, n, qm, seen, M, scale, scores, width, peak, span, alive, 3); return;
+        case 4: score_blocks(kp, n, qm, seen, M, scale, scores, width, peak, span, alive, 4); return;
+        default: score_blocks(kp, n, qm, seen, M, scale, scores, width, peak, span, alive, QB);
     }
 }
 
@@ -315,13 +317,15 @@ static void score_each(const uint16_t *k, long n, long kss, const uint16_t **qm,
 }
 
 /* scores -> exp(score - peak[m]) in place (0 where masked) for columns [from, to) (multiples of
-   16; the rest are masked and never read); adds each row's sum to total[m] */
-static void weigh_span(float *scores, long width, long from, long to, long M, const float *peak, float *total) {
+   16; the rest are masked and never read), skipping the blocks of sixteen that alive (or NULL:
+   none) marks 0, which are never read either; adds each row's sum to total[m] */
+static void weigh_span(float *scores, long width, long from, long to, long M, const float *peak, float *total, const uint8_t *alive) {
     const __m512 masked = _mm512_set1_ps(MASKED);
     for (long m = 0; m < M; m++) {
         float *row = scores + m * width;
         __m512 top = _mm512_set1_ps(peak[m]), sum = _mm512_setzero_ps();
         for (long s = from; s < to; s += 16) {
+            if (alive && !alive[s / 16]) continue;
             __m512 x = _mm512_load_ps(row + s);
             __mmask16 live = _mm512_cmp_ps_mask(x, masked, _CMP_GT_OQ);
             __m512 w = _mm512_maskz_mov_ps(live, exp_neg(_mm512_sub_ps(x, top)));
@@ -332,7 +336,7 @@ static void weigh_span(float *scores, long width, long from, long to, long M, co
     }
 }
 
-static void weigh(float *scores, long width, long M, const float *peak, float *total) { weigh_span(scores, width, 0, width, M, peak, total); }
+static void weigh(float *scores, long width, long M, const float *peak, float *total) { weigh_span(scores, width, 0, width, M, peak, total, NULL); }
 
 /* acc[m] += w[m][s] * (r0, r1, r2, r3) for queries m < M: one value row's four vectors. A query
    whose weight is 0 (a masked key) adds nothing, not even 0 x a stray NaN. */
@@ -483,7 +487,7 @@ int block_attention(const uint16_t *q, const uint16_t *k, const uint16_t *v, con
                     float scale, int threads) {
     long blocks = (S + 15) / 16, width = blocks * 16, qblocks = (M + QB - 1) / QB;
     size_t kbytes = slice64(sizeof(uint32_t) * blocks * 32 * 16), vbytes = slice64(sizeof(float) * width * D);
-    size_t bytes = kbytes + vbytes + sizeof(float) * QB * width; /* packed keys, widened values, scores */
+    size_t bytes = kbytes + vbytes + sizeof(float) * QB * width + blocks; /* packed keys, widened values, scores, live blocks */
     char *scratch = thread_scratch(threads, bytes);
     if (!scratch) return -1;
     SHARES(shares, threads); /* a thread's run of items keeps its packed keys (`FOR_UNITS`) */
@@ -492,6 +496,7 @@ int block_attention(const uint16_t *q, const uint16_t *k, const uint16_t *v, con
         char *mine = own_slice(scratch, bytes);
         uint32_t *kp = (uint32_t *)mine;
         float *vf = (float *)(mine + kbytes), *scores = (float *)(mine + kbytes + vbytes);
+        uint8_t *alive = (uint8_t *)(scores + QB * width);
         const uint16_t *packed_k = NULL, *packed_v = NULL;
         share_units(shares, B * H * qblocks);
         FOR_UNITS(shares, item, visit) {
@@ -514,9 +519,10 @@ int block_attention(const uint16_t *q, const uint16_t *k, const uint16_t *v, con
                 total[r] = 0.0f;
             }
             long span[2] = {blocks, 0};
-            score_packed(kp, S, qm, visible ? seen : NULL, rows, scale, scores, width, peak, span);
+            memset(alive, 0, blocks);
+            score_packed(kp, S, qm, visible ? seen : NULL, rows, scale, scores, width, peak, span, alive);
             long first = span[0] * 16, last = span[1] * 16 < S ? span[1] * 16 : S; /* keys past these weigh 0 */
-            weigh_span(scores, width, first, span[1] * 16, rows, peak, total); /* a causal block's later keys: no exps */
+            weigh_span(scores, width, first, span[1] * 16, rows, peak, total, alive); /* a causal block's later keys, and blocks none of these queries sees: no exps */
             for (int r = 0; r < rows; r++)
                 lse[(b * H + h) * M + m0 + r] = peak[r] == MASKED ? -INFINITY : peak[r] + logf(total[r]);
             for (int r0 = 0; r0 < rows; r0 += PB) { /* PB queries' accumulators stay in registers */
@@ -525,6 +531,10 @@ int block_attention(const uint16_t *q, const uint16_t *k, const uint16_t *v, con
                     for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_ps();
                 const float *w0 = scores + r0 * width;
                 for (long s = first; s < last; s++) {
+                    if (!alive[s / 16]) { /* a block of sixteen keys none of these queries sees: all its weights 0 */
+                        s |= 15;
+                        continue;
+                    }
                     const float *vs = vf + s * D;
                     __m512 v0 = _mm512_load_ps(vs), v1 = _mm512_load_ps(vs + 16), v2 = _mm512_load_ps(vs + 32), v3 = _mm512_load_ps(vs + 48);
                     for (int r = 0; r < PB; r++) {

@@ -118,9 +118,9 @@ int step_attention(const uint16_t *q, const uint32_t *kp, const float *vf, const
                     peak[i] = MASKED;
                     total[i] = 0.0f;
                 }
-                if (blocks) score_packed(kp + h * blocks * 512, P, qm, NULL, n, scale, sp, pwidth, peak, NULL);
+                if (blocks) score_packed(kp + h * blocks * 512, P, qm, NULL, n, scale, sp, pwidth, peak, NULL, NULL);
                 if (packed)
-                    score_packed(own_kp, S, qm, seen, n, scale, so, owidth, peak, NULL);
+                    score_packed(own_kp, S, qm, seen, n, scale, so, owidth, peak, NULL, NULL);
                 else
                     score_each(kb, S, kss, qm, seen, iss, n, scale, so, owidth, peak);
                 weigh(sp, pwidth, n, peak, total);

@@ -266,6 +266,28 @@ def test_the_block_kernel_is_fp64_attention_within_fp32_rounding(batch: int, que
 
 
 @requires_kernel
+def test_the_block_kernel_never_reads_a_key_block_that_no_query_of_a_block_sees() -> None:
+    """A prefix tree's visibility leaves whole blocks of sixteen keys unseen by a block of eight
+    queries, inside the span of those it sees: their weights and values are never read (a NaN
+    value there stays out of every output), and the rest is fp64 attention within fp32 rounding."""
+    q, k, v, _ = _inputs(2, 48, 48, 96, seed=1)
+    visible = torch.rand(2, 48, 96) > 0.5  # keys 0-15 and 80-95: seen in part by every query
+    visible[:, :, 16:80] = False
+    visible[:, :24, 16:32] = True  # keys 16-31 seen by queries 0-23 only, 48-79 by 24-47 only
+    visible[:, 24:, 48:80] = torch.rand(2, 24, 32) > 0.3
+    clean = v.clone()
+    clean[:, :, 32:48] = 0.0  # keys 32-47: seen by no query
+    spoiled = clean.clone()
+    spoiled[:, :, 32:48] = float("nan")
+    got, ref = block_attention(q, k, spoiled, visible, 0.125), block_attention(q, k, clean, visible, 0.125)
+    assert got is not None and ref is not None
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    ref_out, ref_lse = _reference(q, k, clean, visible, 0.125)
+    torch.testing.assert_close(got[0].double(), ref_out, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(got[1].double(), ref_lse, atol=2e-5, rtol=1e-5)
+
+
+@requires_kernel
 def test_the_block_kernel_reads_one_shared_prefix_for_every_row() -> None:
     """Keys and values of batch 1 (a shared prefix) serve every row, with no visibility given:
     the same results as a copy per row that every query sees, and as strided copies."""
