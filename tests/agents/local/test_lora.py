@@ -233,6 +233,10 @@ def test_a_folded_layers_base_makes_no_cast_copy_of_its_weight(tiny_chat_model: 
     monkeypatch.setenv(DTYPE_ENV, "bfloat16")
     with frozen_weights_cast(model), lean_adapters(model):
         _loss_and_grads(model)
-        casts = {name: vars(module)["forward"].args[1].weights for name, module in model.named_modules() if "forward" in vars(module) and name.endswith(("base_layer", "lm_head"))}
+        casts = {
+            name: vars(module)["forward"].args[1].weights
+            for name, module in model.named_modules()
+            if "forward" in vars(module) and name.endswith(("base_layer", "lm_head"))
+        }
     assert len(casts) == 2 * 7 + 1
     assert all((copy is None) == name.endswith("base_layer") for name, copy in casts.items())
