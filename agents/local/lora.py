@@ -104,7 +104,6 @@ def _adapted(layer: Any, weights: _FoldedWeights, x: torch.Tensor, *args: Any, *
     if name is None:
         return type(layer).forward(layer, x, *args, **kwargs)
     base, lora_a, lora_b = layer.get_base_layer(), layer.lora_A[name].weight, layer.lora_B[name].weight
-    fp32 = x.dtype == lora_a.dtype == lora_b.dtype == base.weight.dtype == torch.float32
     device = x.device.type
     if torch.is_autocast_enabled(device):
         dtype = torch.get_autocast_dtype(device)
@@ -113,7 +112,7 @@ def _adapted(layer: Any, weights: _FoldedWeights, x: torch.Tensor, *args: Any, *
             return type(layer).forward(layer, x, *args, **kwargs)
         weight, bias = weights.of(layer, name, dtype)
         return _FoldedProduct.apply(x, weight, bias, lora_a, lora_b, layer.scaling[name])
-    if not fp32:
+    if not x.dtype == lora_a.dtype == lora_b.dtype == base.weight.dtype == torch.float32:
         return type(layer).forward(layer, x, *args, **kwargs)
     return _summed(layer, name, x)
 
@@ -142,8 +141,8 @@ class _FoldedWeights:
         key = (*(id(t) for t in tensors), *(t._version for t in tensors), id(dtype))
         made = self._made.get(id(layer))
         if made is None or made[0] != key:
-            with torch.no_grad(), torch.autocast(base.weight.device.type, enabled=False):  # the fold in fp32, as the sampler's
-                weight = (base.weight + layer.get_delta_weight(name)).to(dtype)
+            with torch.no_grad():
+                weight = folded_weight(layer).to(dtype)
                 bias = None if base.bias is None else base.bias.detach().to(dtype)
             made = self._made[id(layer)] = (key, weight, bias)
         return made[1], made[2]
@@ -182,6 +181,14 @@ def _hooked(module: torch.nn.Module) -> bool:
     return bool(module._forward_hooks) or bool(getattr(torch.nn.modules.module, "_global_forward_hooks", None))
 
 
+def folded_weight(module: Any) -> torch.Tensor:
+    """A LoRA layer's base weight plus its active adapters' deltas (`W + B A alpha / r`, as peft
+    merges it), in the base weight's dtype and with autocast off: the one fold the sampler's copy
+    (`folded`, `refold`) and the update's folded products (`lean_adapters`) all read."""
+    with torch.autocast(module.get_base_layer().weight.device.type, enabled=False):
+        return module.get_base_layer().weight + sum(module.get_delta_weight(name) for name in module.active_adapters if name in module.lora_A)
+
+
 def has_adapters(model: torch.nn.Module) -> bool:
     """Whether `model` is a peft model whose adapters can be folded into its weights."""
     return callable(getattr(model, "merge_and_unload", None))
@@ -214,8 +221,7 @@ def folded(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     with torch.no_grad():
         for module in adapted:
             layer = module.get_base_layer()
-            delta = sum(module.get_delta_weight(name) for name in module.active_adapters if name in module.lora_A)
-            memo[id(layer.weight)] = torch.nn.Parameter((layer.weight + delta).to(dtype), requires_grad=False)
+            memo[id(layer.weight)] = torch.nn.Parameter(folded_weight(module).to(dtype), requires_grad=False)
             own = {id(param) for param in layer.parameters()}  # the base layer's bias: cast below
             for param in module.parameters():  # the adapters: not carried into the copy
                 if id(param) not in own:
@@ -248,8 +254,7 @@ def refold(copy: torch.nn.Module, model: torch.nn.Module) -> None:
             if any(module.use_dora.get(adapter, False) for adapter in module.active_adapters):
                 copy_weights(copy, merged(model))  # peft folds DoRA otherwise: take its fold whole
                 return
-            delta = sum(module.get_delta_weight(adapter) for adapter in module.active_adapters if adapter in module.lora_A)
-            layers[name] = _Folded(layer.weight + delta, layer.bias, layer.out_features)
+            layers[name] = _Folded(folded_weight(module), layer.bias, layer.out_features)
     copy_weights(copy, layers)
 
 
