@@ -10,7 +10,12 @@ Here each of the five products of the backward pass (scores, the gradient's prod
 values, and the gradients of queries, keys and values) is taken with AVX512-BF16's `vdpbf16ps`,
 bf16 pairs multiplied exactly and summed in fp32, as FlashAttention's GPU kernels round the
 softmax weights and their gradients to bf16 before the last three products. Sixteen keys a
-block, blocks a query block sees none of are skipped. Two passes per kv head:
+block, blocks a query block sees none of are skipped. Which blocks a block of queries sees is
+found once per batch row before the passes, not once per head inside pass 1: every head's
+queries read the same visibility rows, and rereading them for each head (two megabytes of bytes
+under a SmolLM2 update's prefix trees, for each of three heads) was a fifth of the kernel's time
+(ad hoc `bwd_v2.py` on one micro-batch's eight captured calls, 2-core AVX512-BF16 EPYC: 18.6
+against 14.7 ms a call, the same bits; `benchmarks/RESULTS.md`). Two passes per kv head:
 
 1. query blocks over key blocks, two key blocks at a time as in the forward kernel
    (`score_and_dp`: `block_products`' sums, over keys and values at once): the scores again
@@ -107,8 +112,13 @@ static inline __attribute__((always_inline)) void score_and_dp(const uint32_t *c
 
 #define QC 256 /* queries a chunk at most: p and ds are kept for one chunk at a time */
 
+/* the key blocks a block of BQ queries sees, in order, and which of their keys each query sees:
+   found once per batch row (`lives`), not once per head, from its (qlen, S) visibility bytes */
+typedef struct { uint16_t j, mask[BQ]; } live_t; /* j < 65,536: `attention_backward` takes S < 2^20 */
+typedef struct { long count; live_t seen[]; } lives_t;
+
 typedef struct {
-    long blocks, sp, mp, qblocks, half, qc;
+    long blocks, sp, mp, qblocks, half, qc, lsize;
     long vp, ki, qi, oi, delta, flags, pt, st, unit; /* offsets in a unit's workspace (u32), and its size */
 } plan_t;
 
@@ -132,11 +142,12 @@ static plan_t plan(long M, long S) {
     p.pt = p.flags + (p.qblocks * p.blocks + 63) / 64 * 16;
     p.st = p.pt + p.blocks * (p.qc / BQ) * TILE;
     p.unit = (p.st + p.blocks * (p.qc / BQ) * TILE + 15) / 16 * 16;
+    p.lsize = (sizeof(lives_t) + p.blocks * sizeof(live_t) + 63) / 64 * 16;
     return p;
 }
 
 /* The workspace (u32) `attention_backward` needs for B x H units of M queries over S keys */
-long attention_backward_workspace(long B, long H, long M, long S) { return B * H * plan(M, S).unit; }
+long attention_backward_workspace(long B, long H, long M, long S) { plan_t p = plan(M, S); return B * H * p.unit + B * p.qblocks * p.lsize; }
 
 /* Gradients of softmax attention (B x H units of M contiguous bf16 queries over S keys and
    values, D = 64) from the output's gradient dout (bf16), the forward's fp32 outputs and
@@ -158,6 +169,7 @@ void attention_backward(const uint16_t *q, const uint16_t *k, const uint16_t *v,
 #define FLAGS(n) ((uint8_t *)(KP(n) + pl.flags))
 #define PT(n) (KP(n) + pl.pt)
 #define ST(n) (KP(n) + pl.st)
+#define LIVES(b, qb) ((lives_t *)(work + units * pl.unit + ((b) * qblocks + (qb)) * pl.lsize))
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp for schedule(static)
@@ -177,22 +189,37 @@ void attention_backward(const uint16_t *q, const uint16_t *k, const uint16_t *v,
                 DELTA(n)[m] = _mm512_reduce_add_ps(sum);
             }
         }
+        /* each query block's seen key blocks, once for every unit of its batch row */
+#pragma omp for schedule(static)
+        for (long item = 0; item < B * qblocks; item++) {
+            long b = item / qblocks, qb = item % qblocks, m0 = qb * BQ, rows = M - m0 < BQ ? M - m0 : BQ;
+            const uint8_t *seen[BQ];
+            for (int r = 0; r < BQ; r++) seen[r] = visible + (b * qlen + (m0 + (r < rows ? r : rows - 1)) % qlen) * S;
+            lives_t *lives = LIVES(b, qb);
+            long count = 0;
+            for (long j = 0; j < blocks; j++) {
+                __mmask16 live[BQ];
+                if (!block_live(seen, 0, rows, S, j, live)) continue; /* a block none sees is never read in pass 2 */
+                lives->seen[count].j = (uint16_t)j;
+                for (int r = 0; r < BQ; r++) lives->seen[count].mask[r] = r < rows ? live[r] : 0; /* a short block's repeats weigh nothing */
+                count++;
+            }
+            lives->count = count;
+        }
         for (long c0 = 0; c0 < pl.mp; c0 += qc) {
             long cblocks = (pl.mp - c0 < qc ? pl.mp - c0 : qc) / BQ, cq = c0 / BQ;
-            /* pass 1: per block of BQ queries, every key block they see */
+            /* pass 1: per block of BQ queries, the key blocks they see */
 #pragma omp for schedule(dynamic, 4)
             for (long item = 0; item < units * cblocks; item++) {
                 long n = item / cblocks, qb = cq + item % cblocks, m0 = qb * BQ, b = n / H;
                 long rows = M - m0 < BQ ? M - m0 : BQ; /* >= 1: mp rounds M up by less than BQ */
                 const uint32_t *qr[BQ], *orow[BQ];
-                const uint8_t *seen[BQ];
                 float qw[BQ][D] __attribute__((aligned(64))), ow[BQ][D] __attribute__((aligned(64)));
                 __m512 low[BQ], mid[BQ], acc[BQ][4];
                 for (int r = 0; r < BQ; r++) {
                     long m = m0 + (r < rows ? r : rows - 1); /* a short block repeats its last query, never written */
                     qr[r] = (const uint32_t *)(q + (n * M + m) * D);
                     orow[r] = (const uint32_t *)(dout + (n * M + m) * D);
-                    seen[r] = visible + (b * qlen + m % qlen) * S;
                     low[r] = _mm512_set1_ps(lse[n * M + m]);
                     mid[r] = _mm512_set1_ps(DELTA(n)[m]);
                     for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_ps();
@@ -203,15 +230,14 @@ void attention_backward(const uint16_t *q, const uint16_t *k, const uint16_t *v,
                     }
 #endif
                 }
-                for (long j0 = 0; j0 < blocks; j0 += 2) { /* two key blocks a pass where both are seen */
-                    long seen_blocks[2], two = 0;
+                const lives_t *lives = LIVES(b, qb);
+                for (long e = 0; e < lives->count; e += 2) { /* two seen key blocks a pass */
+                    long seen_blocks[2], two = lives->count - e < 2 ? 1 : 2;
                     __mmask16 live[2][BQ];
-                    for (long j = j0; j < j0 + 2 && j < blocks; j++) {
-                        int any = block_live(seen, 0, rows, S, j, live[two]);
-                        for (int r = rows; r < BQ; r++) live[two][r] = 0; /* a short block's repeats weigh nothing */
-                        if (any) seen_blocks[two++] = j; /* a block none sees is never read in pass 2 */
+                    for (int t = 0; t < two; t++) {
+                        seen_blocks[t] = lives->seen[e + t].j;
+                        for (int r = 0; r < BQ; r++) live[t][r] = lives->seen[e + t].mask[r];
                     }
-                    if (!two) continue;
                     __m512 sc[2][QB], dp[2][QB];
                     const uint32_t *kb[2], *vb[2];
                     for (int t = 0; t < two; t++) kb[t] = KP(n) + seen_blocks[t] * 512, vb[t] = VP(n) + seen_blocks[t] * 512;
@@ -223,23 +249,22 @@ void attention_backward(const uint16_t *q, const uint16_t *k, const uint16_t *v,
                         long j = seen_blocks[t];
                         FLAGS(n)[qb * blocks + j] = 1;
                         __m256i pb[BQ], sl[BQ];
-                        __m512i sb[BQ];
                         for (int r = 0; r < BQ; r++) {
                             __m512 p = _mm512_maskz_mov_ps(live[t][r], exp_neg(_mm512_fmsub_ps(sc[t][r], _mm512_set1_ps(scale), low[r])));
                             __m512 ds = _mm512_mul_ps(p, _mm512_sub_ps(dp[t][r], mid[r]));
                             pb[r] = (__m256i)_mm512_cvtneps_pbh(p);
                             sl[r] = (__m256i)_mm512_cvtneps_pbh(ds);
-                            sb[r] = _mm512_castsi256_si512(sl[r]);
                         }
                         store_tile(pb, PT(n) + (j * (qc / BQ) + qb - cq) * TILE);
                         store_tile(sl, ST(n) + (j * (qc / BQ) + qb - cq) * TILE);
                         const uint32_t *kpair = KI(n) + j * 8 * D;
+                        uint32_t dsr[BQ][8] __attribute__((aligned(64)));
+                        for (int r = 0; r < BQ; r++) _mm256_store_si256((__m256i *)dsr[r], sl[r]);
                         for (int i = 0; i < 8; i++) { /* dq += ds k over the block's key pairs */
                             __m512bh k0 = (__m512bh)_mm512_load_si512(kpair + i * D), k1 = (__m512bh)_mm512_load_si512(kpair + i * D + 16);
                             __m512bh k2 = (__m512bh)_mm512_load_si512(kpair + i * D + 32), k3 = (__m512bh)_mm512_load_si512(kpair + i * D + 48);
-                            __m512i which = _mm512_set1_epi32(i);
                             for (int r = 0; r < BQ; r++) {
-                                __m512bh x = (__m512bh)_mm512_permutexvar_epi32(which, sb[r]);
+                                __m512bh x = (__m512bh)_mm512_set1_epi32((int)dsr[r][i]);
                                 acc[r][0] = _mm512_dpbf16_ps(acc[r][0], x, k0);
                                 acc[r][1] = _mm512_dpbf16_ps(acc[r][1], x, k1);
                                 acc[r][2] = _mm512_dpbf16_ps(acc[r][2], x, k2);
@@ -341,6 +366,7 @@ def attention_backward(
         or queries % visible.shape[1]
         or queries == 0
         or keys == 0
+        or keys >= 2**20  # key blocks are numbered in 16 bits
     ):
         return None
     lib = _library()

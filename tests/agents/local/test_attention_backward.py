@@ -126,3 +126,22 @@ def test_the_training_pass_attention_takes_it_back(monkeypatch: pytest.MonkeyPat
     for got, want in zip(mine, flash, strict=True):
         assert got.dtype == torch.bfloat16
         assert float((got.double() - want.double()).abs().max() / want.double().abs().max()) < 1e-2
+
+
+@requires_kernel
+def test_queries_that_see_scattered_key_blocks() -> None:
+    """Prefix-tree visibility: each query sees the blocks of its own branch, with gaps between
+    them, and the two batch rows see different ones. The blocks a query block sees are found once
+    per batch row and taken two at a time, however far apart."""
+    q, k, v, visible = _inputs(2, 3, 3, 70, 90, seed=2)
+    generator = torch.Generator().manual_seed(3)
+    hidden = torch.rand(2, 70, (160 + 15) // 16, generator=generator) < 0.5  # (row, query, key block)
+    visible &= ~hidden.repeat_interleave(16, dim=2)[:, :, :160]
+    visible[:, :, :4] = True  # every query sees a key
+    out, lse = block_attention(q, k, v, visible, 0.125)
+    grad = torch.randn_like(out)
+    got = attention_backward(q, k, v, grad, out, lse, visible, 0.125)
+    assert got is not None
+    for name, mine, want in zip("qkv", got, _reference(q, k, v, visible, grad, 0.125), strict=True):
+        error = float((mine.double() - want).abs().max() / want.abs().max().clamp_min(1.0))
+        assert error < 1e-2, f"d{name}: {error:.2e} of its largest value"
