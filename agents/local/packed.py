@@ -128,7 +128,7 @@ static void pair_dot(const uint16_t *x, const uint32_t *w, const float *bias, ui
             for (int r = 0; r < RB; r++)
                 for (int c = 0; c < CB; c++) acc[r][c] = _mm512_setzero_ps();
             /* a group's second tile fetches the next group's weights into L2 as it reads its own from cache */
-            const uint32_t *next = t == 1 && g + 1 < groups && blocks - b0 >= 2 * CB ? wg + CB * pairs * 16 : NULL;
+            const uint32_t *next = t == 1 && blocks - b0 >= 2 * CB ? wg + CB * pairs * 16 : NULL; /* the next group, where it is a whole one */
             if (cb == CB)
                 switch (rows) { /* a short last block: a tile of its own rows, not a full one */
 #if RB > 5
