@@ -6,10 +6,13 @@ linked to the OpenMP runtime PyTorch loaded (one thread pool), and kept in the m
 and write bf16 and compute in fp32. Their two bf16 instructions are AVX512-BF16's where the CPU
 has it; on plain AVX-512 (Ice Lake, Skylake) the header spells them out in AVX512F, with the
 same sums: `_mm512_dpbf16_ps` as two fused multiply-adds, odd element first (a product of two
-bf16 is exact in fp32), and `_mm512_cvtneps_pbh` as round to nearest even. Without a compiler,
-on a CPU without AVX512F/BW/VL, off Linux, or where the build fails, `compiled` answers None and
-callers keep their PyTorch path. `CGYM_DECODE_KERNEL=0` turns every kernel off (the name is the
-first kernel's, the decode step's attention).
+bf16 is exact in fp32), and `_mm512_cvtneps_pbh` as round to nearest even. On a CPU with AVX2,
+FMA and F16C but no AVX-512 (Zen 2 and 3, Intel's client chips since Alder Lake) the same
+sources build for AVX2: each 16-lane vector is two 8-lane halves (`agents.local.avx2`), with the
+same lanes and roundings. Without a compiler, on a CPU without AVX2, off Linux, or where the
+build fails, `compiled` answers None and callers keep their PyTorch path.
+`CGYM_DECODE_KERNEL=0` turns every kernel off (the name is the first kernel's, the decode step's
+attention); `CGYM_KERNEL_ISA=avx2` builds for AVX2 on an AVX-512 CPU as well.
 """
 
 from __future__ import annotations
@@ -25,21 +28,32 @@ from functools import cache
 from pathlib import Path
 
 import torch
+from cgym.agents.local.avx2 import AVX2_COMPAT
 from cgym.agents.pretrained import ModelFetchError, cache_root
 
 KERNEL_ENV = "CGYM_DECODE_KERNEL"
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC"]
+ISA_ENV = "CGYM_KERNEL_ISA"  # `avx2`: build for AVX2 on an AVX-512 CPU too (the tests run both)
+COMMON = ["-O3", "-mfma", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC"]
+ISA_FLAGS = {"avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl"], "avx2": ["-mavx2", "-mf16c"]}
 BF16_FLAG = "-mavx512bf16"  # where the CPU has the instructions; else the header's AVX512F forms
 AVX512 = frozenset({"avx512f", "avx512bw", "avx512vl", "fma"})
+AVX2 = frozenset({"avx2", "fma", "f16c"})
 
 # What every kernel's source starts with: the headers, a 16-lane exp, bf16 read as fp32.
-C_HEADER = r"""
+C_HEADER = (
+    r"""
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#ifndef __AVX512F__ /* AVX2: each 16-lane vector as two halves (`agents.local.avx2`) */
+"""
+    + AVX2_COMPAT
+    + r"""
+#endif
 
 #ifndef __AVX512BF16__ /* AVX512-BF16's two instructions in AVX512F, the same sums */
 static inline __m512 emulated_dpbf16(__m512 acc, __m512bh a, __m512bh b) { /* acc += a.odd b.odd, then a.even b.even */
@@ -129,6 +143,7 @@ static inline long take_unit(uint64_t *shares, int v) {
         for (long u; (u = take_unit((shares), v)) >= 0;)
 
 """
+)
 
 
 def aligned(raw: torch.Tensor) -> torch.Tensor:
@@ -157,13 +172,25 @@ def cpu_has_avx512_bf16() -> bool:
     return "avx512_bf16" in cpu_flags()
 
 
+def isa() -> str | None:
+    """The instruction set the kernels are built for: `avx512` (AVX512F, BW and VL; BF16 is
+    optional), else `avx2` (AVX2, FMA and F16C), else None. `CGYM_KERNEL_ISA=avx2` asks for the
+    AVX2 build where AVX-512 is there too."""
+    cpu = cpu_flags()
+    if os.environ.get(ISA_ENV, "").strip().lower() != "avx2" and AVX512 <= cpu:
+        return "avx512"
+    return "avx2" if AVX2 <= cpu else None
+
+
 def available() -> bool:
-    """Whether kernels can run on this CPU at all (AVX512F, BW and VL; BF16 is optional)."""
-    return AVX512 <= cpu_flags()
+    """Whether kernels can run on this CPU at all."""
+    return isa() is not None
 
 
 def flags() -> list[str]:
-    return [*FLAGS, BF16_FLAG] if cpu_has_avx512_bf16() else FLAGS
+    chosen = isa() or "avx512"
+    bf16 = [BF16_FLAG] if chosen == "avx512" and cpu_has_avx512_bf16() else []
+    return [*COMMON, *ISA_FLAGS[chosen], *bf16]
 
 
 @cache

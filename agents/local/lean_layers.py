@@ -305,7 +305,11 @@ _SOURCE = (
 /* out = x c + rotate_half(x) s over fp32 (B, H, T, D) rows (strides in floats, D contiguous)
    by (B or 1, T, D) c and s (cb = 0: one for every row); backward: out = g c + rotate_half^T(g) s,
    the gradient of x from the output's g. Each product rounded apart, then the sum. */
+#ifdef __AVX512F__
 static inline __m512 apart(__m512 x) { __asm__("" : "+v"(x)); return x; } /* no multiply-add across it */
+#else
+static inline __m512 apart(__m512 x) { __asm__("" : "+x"(x.lo), "+x"(x.hi)); return x; }
+#endif
 static inline __m512 negated(__m512 x) { return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x), _mm512_set1_epi32((int)0x80000000))); }
 void rotary(const float *x, const float *cos, const float *sin, float *out, long B, long H, long T, long D,
             long xb, long xh, long xt, long ob, long oh, long ot, long cb, long ct, int backward, int threads) {

@@ -51,6 +51,12 @@ weights into L2 as it runs. Over SmolLM2's 120 body layers and its LM head (the 
 AVX512-BF16 EPYC, 9 alternated passes, ad hoc `pd_v2.py`; the same bits) 12 rows took 10.4
 against 12.9 ms, 18-32 rows 10-13% less, 64 rows 5% less; 1-6 rows, one tile, are unchanged.
 
+Built for AVX2 (`agents.local.avx2`: each 16-lane vector as two halves, 16 registers where
+AVX-512 has 32), the AVX-512 tiles spilled: on a 2-core Zen 3, over three SmolLM2 layers, they
+took 2.2-2.5x the time of PyTorch's fp32 products at 100-400 rows. There a group is one block,
+a pair tile 4 rows and a panel tile 5 (6 spilled one accumulator): 0.43-0.79x PyTorch's time at
+1-32 rows, 0.86-0.96x at 100-400 (ad hoc `pl_bench.py`). The order of each sum is unchanged.
+
 Only for inference (the packed ops have no backward) and only where `packable` says the CPU and
 the dtype take it; `tests/agents/local/test_packed.py` holds the results to `F.linear`'s.
 """
@@ -72,12 +78,18 @@ _LINEAR = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
 _SOURCE = (
     C_HEADER
     + r"""
-#ifdef __AVX512BF16__
+#if defined(__AVX512BF16__)
 #define RB 6 /* rows a block: 24 accumulators and 4 weight vectors, 28 of the 32 registers (below) */
-#else
+#elif defined(__AVX512F__)
 #define RB 5 /* the widened FMAs below need registers of their own */
+#else
+#define RB 4 /* AVX2's 16 registers: 8 accumulator halves, 4 widened weight halves, 2 row values */
 #endif
-#define CB 4 /* blocks of 16 outputs a block */
+#ifdef __AVX512F__
+#define CB 4 /* blocks of 16 outputs a group */
+#else
+#define CB 1 /* each block two registers wide */
+#endif
 #define AHEAD 24 /* lines fetched ahead in each block's weights: a few-row step streams them from memory (below) */
 
 /* acc[r][c] += row r's pairs (xr[r]) dotted with block c's (wg: CB blocks of pairs x 16 u32), R rows:
@@ -134,7 +146,9 @@ static void pair_dot(const uint16_t *x, const uint32_t *w, const float *bias, ui
 #if RB > 5
                     case 6: dot_tile(xr, wg, pairs, 6, acc, next); break;
 #endif
+#if RB > 4
                     case 5: dot_tile(xr, wg, pairs, 5, acc, next); break;
+#endif
                     case 4: dot_tile(xr, wg, pairs, 4, acc, next); break;
                     case 3: dot_tile(xr, wg, pairs, 3, acc, next); break;
                     case 2: dot_tile(xr, wg, pairs, 2, acc, next); break;
@@ -163,7 +177,11 @@ void pair_linear(const uint16_t *x, const uint32_t *w, const float *bias, uint16
    The rows are widened with each pair's two inputs swapped, the odd one first as the
    instruction sums them, so that panel row s meets row element s: the tile is then a plain
    fp32 product loop (1.1-1.3x the loop that picked each pair's inputs apart, 2-core Ice Lake). */
+#ifdef __AVX512F__
 #define WR 6 /* rows a tile: 24 accumulators, 4 weight vectors, a broadcast row value */
+#else
+#define WR 5 /* AVX2: 10 accumulator halves, 2 weight halves, a row value; 6 rows spilled one accumulator */
+#endif
 #define WIDE_ROWS 96 /* fewer: `pair_rows` was as fast or faster (ad hoc `cross_ab.py`: the panel 0.83-0.97x at 16-32 rows, 0.96-1.05x at 48-80, 1.03-1.13x at 100-240) */
 #define FEW_ROWS 3 /* fewer: the pair loop, which widens nothing, was as fast or faster than `pair_rows` (ad hoc `rows_ab.py`) */
 
@@ -238,7 +256,9 @@ static void pair_rows(const uint16_t *x, const uint32_t *w, const float *bias, u
                 for (int c = 0; c < CB; c++) acc[r][c] = _mm512_setzero_ps();
             if (cb < CB) row_tile(xr, K, wg, pairs, rows, (int)cb, acc);
             else switch (rows) { /* each a tile of constant shape */
+#if RB > 4
                 case 5: row_tile(xr, K, wg, pairs, 5, CB, acc); break;
+#endif
                 case 4: row_tile(xr, K, wg, pairs, 4, CB, acc); break;
                 case 3: row_tile(xr, K, wg, pairs, 3, CB, acc); break;
                 case 2: row_tile(xr, K, wg, pairs, 2, CB, acc); break;
@@ -289,7 +309,9 @@ static void pair_wide(const uint16_t *x, const uint32_t *w, const float *bias, u
             const float *xr = xw + r0 * K;
             if (cb < CB) wide_tile(xr, K, panel, pairs, rows, (int)cb, acc);
             else switch (rows) { /* each a tile of constant shape */
+#if WR > 5
                 case 6: wide_tile(xr, K, panel, pairs, 6, CB, acc); break;
+#endif
                 case 5: wide_tile(xr, K, panel, pairs, 5, CB, acc); break;
                 case 4: wide_tile(xr, K, panel, pairs, 4, CB, acc); break;
                 case 3: wide_tile(xr, K, panel, pairs, 3, CB, acc); break;
@@ -435,14 +457,12 @@ def pack_linears(model: nn.Module) -> nn.Module:
     if not packable(model):
         return model
     targets = [name for name, module in model.named_modules() if type(module) is nn.Linear]
-    for done, name in enumerate(targets):  # one at a time: each plain weight goes as its packed one comes
+    for name in targets:  # one at a time: each plain weight goes as its packed one comes
         linear = model.get_submodule(name)
         try:
             layer = PackedLinear(linear.weight, linear.bias)
-        except RuntimeError:  # a oneDNN build that cannot reorder these weights: plain layers then
-            if done == 0:
-                return model
-            raise
+        except RuntimeError:  # a shape this project's kernel does not take, on a CPU whose oneDNN
+            continue  # cannot reorder bf16 weights (AVX2 alone): that layer stays plain
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, layer)
     return model

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from cgym.agents.local import lean_layers
-from cgym.agents.local.kernels import KERNEL_ENV
+from cgym.agents.local.kernels import AVX512, KERNEL_ENV, cpu_flags
 from cgym.agents.local.lean_layers import fits, is_lean, sampling_model
 from cgym.agents.local.packed import FusedLinear, PackedLinear, pack_linears, packable
 from cgym.agents.local.precision import DTYPE_ENV, SamplingWeights, cpu_has_bf16
@@ -57,7 +57,9 @@ def test_lean_layers_replace_every_layers_projections(tiny_chat_model: Path, kin
         assert isinstance(layer.mlp.gate_up_proj, FusedLinear) and layer.mlp.gate_up_proj.widths == [256, 256]
         assert not any(hasattr(layer.self_attn, name) for name in ("q_proj", "k_proj", "v_proj"))
         assert isinstance(layer.self_attn.o_proj, PackedLinear) and isinstance(layer.mlp.down_proj, PackedLinear)
-    assert not any(type(module) is nn.Linear for module in lean.modules())
+    # the 600-word head stays plain only where oneDNN packs no bf16 weights (AVX2 alone)
+    plain_left = [] if torch.ops.mkldnn._is_mkldnn_bf16_supported() else ["lm_head"]
+    assert [name for name, module in lean.named_modules() if type(module) is nn.Linear] == plain_left
     assert not any(is_lean(layer) for layer in plain.model.layers)
 
 
@@ -79,7 +81,11 @@ def test_a_lean_model_samples_the_same_ids_and_logprobs(tiny_chat_model: Path, k
     prompts = [[1, 5, 9, 13, 17, 21, 25, 29], [1, 5, 9, 13, 17, 21, 40, 44, 48], [1, 5, 9, 13, 17, 21, 7]]  # a shared head, own tails
     params = SamplingOptions(temperature=temperature, max_new_tokens=24)
     runs = [sample_batch(model, prompts, params=params, stop_ids={0}, pad_id=0, generator=torch.Generator().manual_seed(3)) for model in (plain, lean)]
-    assert runs[0] == runs[1]
+    if AVX512 <= cpu_flags():
+        assert runs[0] == runs[1]
+    else:  # PyTorch sums 8 lanes at a time here, the kernels' norm 16: its rare last-bit differences show
+        assert [sample.ids for sample in runs[0]] == [sample.ids for sample in runs[1]]
+        assert all(abs(a - b) <= 1e-2 for one, other in zip(*runs, strict=True) for a, b in zip(one.logprobs, other.logprobs, strict=True))
     assert sum(len(sample.ids) for sample in runs[0]) >= 30
 
 

@@ -33,6 +33,7 @@ def _same(actual: torch.Tensor, expected: torch.Tensor) -> None:
 
 
 requires_packing = pytest.mark.skipif(not packable(nn.Linear(2, 2).to(torch.bfloat16)), reason="this PyTorch has no oneDNN packed linear")
+requires_onednn_bf16 = pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="oneDNN packs no bf16 weights on this CPU (AVX2 alone)")
 
 
 @requires_packing
@@ -67,9 +68,12 @@ def test_a_packed_model_gives_the_same_logits_and_samples(tiny_chat_model: Path)
     plain = _bf16_model(tiny_chat_model)
     packed = pack_linears(copy.deepcopy(plain))
     assert is_packed(packed) and not is_packed(plain)
-    assert not any(type(module) is nn.Linear for module in packed.modules())
+    # every layer packs; only where oneDNN cannot reorder bf16 (AVX2 alone) does the 600-word head,
+    # a shape this project's kernel does not take, stay plain
+    reorders = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    assert [name for name, module in packed.named_modules() if type(module) is nn.Linear] == ([] if reorders else ["lm_head"])
     # the LM head is tied to the embeddings: the embedding keeps the weight, the head packs it
-    assert packed.get_input_embeddings().weight.data_ptr() != 0 and isinstance(packed.lm_head, PackedLinear)
+    assert packed.get_input_embeddings().weight.data_ptr() != 0 and (isinstance(packed.lm_head, PackedLinear) or not reorders)
     ids = torch.tensor([[1, 5, 9, 13, 17, 21, 25], [2, 6, 10, 14, 18, 22, 26]])
     with torch.no_grad():
         _same(packed(input_ids=ids).logits, plain(input_ids=ids).logits)
@@ -163,6 +167,7 @@ def test_the_widened_pair_kernel_gives_the_same_bits_as_the_pair_products(rows: 
 
 
 @requires_packing
+@requires_onednn_bf16
 def test_shapes_and_settings_the_pair_kernel_does_not_take_keep_onednn(monkeypatch: pytest.MonkeyPatch) -> None:
     torch.manual_seed(0)
     odd = nn.Linear(96, 40).to(torch.bfloat16)  # 40 outputs: not blocks of 16
