@@ -234,6 +234,17 @@ def matmul_peak_gflops(dtype: torch.dtype, *, m: int = 2048, k: int = 576, n: in
     return 2 * m * k * n / best / 1e9
 
 
+def peak_dtypes() -> tuple[torch.dtype, ...]:
+    """The dtypes whose matmul peak a run reads: fp32, and bf16 where the CPU computes in it or
+    emulates it in AVX-512 (~70 GFLOP/s on an Ice Lake). With AVX2 alone a bf16 matmul ran at
+    1.3 GFLOP/s, and its two readings took minutes of the run."""
+    from cgym.agents.local.precision import compute_dtype
+
+    if compute_dtype() == torch.bfloat16 or AVX512 <= cpu_flags():
+        return (torch.bfloat16, torch.float32)
+    return (torch.float32,)
+
+
 def exp_rate_per_s(*, size: int = 8 * 2**20, repeats: int = 10) -> float:
     """Best-of fp32 `exp`s a second, the softmax's dtype in the attention kernels."""
     x, out = torch.rand(size) * -10, torch.empty(size)
@@ -338,10 +349,7 @@ def run(model: str, *, steps: int, episodes: int, draft_tokens: int = LOOKUP_TOK
 
     prepare_models(model)
     load = round(os.getloadavg()[0], 2)
-    # bf16 where the CPU has it or emulates it in AVX-512 (~70 GFLOP/s on an Ice Lake); with AVX2 alone
-    # it ran at 1.3 GFLOP/s, and its two readings took minutes of the run
-    dtypes = (torch.bfloat16, torch.float32) if compute_dtype() == torch.bfloat16 or AVX512 <= cpu_flags() else (torch.float32,)
-    before = {d: matmul_peak_gflops(d) for d in dtypes}
+    before = {d: matmul_peak_gflops(d) for d in peak_dtypes()}
     exps_before = exp_rate_per_s()
     read_before = read_gb_per_s()
     env_kwargs = {**ENV_KWARGS, "difficulty": difficulty}

@@ -172,6 +172,7 @@ def test_a_run_keeps_the_best_peak_and_shows_both_readings(monkeypatch: pytest.M
     import cgym.trainer.embedded as embedded
 
     readings = iter([100.0, 300.0, 120.0, 250.0])  # bf16 then fp32, before the work and after it
+    monkeypatch.setattr(floors, "peak_dtypes", lambda: (torch.bfloat16, torch.float32))
     monkeypatch.setattr(floors, "matmul_peak_gflops", lambda dtype: next(readings))
     monkeypatch.setattr(floors, "exp_rate_per_s", lambda: 1e9)
     monkeypatch.setattr(floors, "read_gb_per_s", lambda: 10.0)
@@ -180,3 +181,16 @@ def test_a_run_keeps_the_best_peak_and_shows_both_readings(monkeypatch: pytest.M
     result = floors.run("unused", steps=0, episodes=1)
     assert result["matmul_peak_gflops"] == {"bfloat16": 120.0, "float32": 300.0}
     assert result["matmul_peak_before_after_gflops"] == {"bfloat16": [100.0, 120.0], "float32": [300.0, 250.0]}
+
+
+@pytest.mark.parametrize(
+    ("flags", "dtypes"),
+    [("avx2 fma f16c", ["float32"]), ("avx2 fma f16c avx512f avx512bw avx512vl", ["bfloat16", "float32"])],
+    ids=["avx2-alone", "avx-512"],
+)
+def test_a_cpu_without_bf16_or_avx512_reads_the_fp32_peak_alone(monkeypatch: pytest.MonkeyPatch, flags: str, dtypes: list[str]) -> None:
+    import cgym.benchmarks.cpu_floors as floors
+
+    monkeypatch.setenv("CGYM_DTYPE", "float32")
+    monkeypatch.setattr(floors, "cpu_flags", lambda: frozenset(flags.split()))
+    assert [str(d).removeprefix("torch.") for d in floors.peak_dtypes()] == dtypes
