@@ -18,7 +18,9 @@ horizontal sums, and reads the prompt's bf16 keys once for all rows. It scores t
 time, so that each query element read from memory feeds both: that read, not the products, bound
 the loop (2-core Ice Lake: the whole kernel 1.1-1.3x as fast, `benchmarks/RESULTS.md`). Against the flash kernel on
 fp32 copies (2 cores): 100 rows' 101-id prefill over a 269-id prompt 27 against 48 ms a layer,
-its own part (303 queries a row over 188 keys, causal) 20 against 50 ms.
+its own part (303 queries a row over 188 keys, causal) 20 against 50 ms. Built for AVX2
+(`agents.local.avx2`: 16 registers, each vector two of them), a block is four queries and key
+blocks go one at a time, so that the accumulators stay in registers; each score is the same sum.
 
 They are built on first use (`agents.local.kernels`). Without a compiler, on a CPU without
 AVX512-BF16, or where the build fails, both answer None and the caller keeps the flash kernel.
@@ -47,7 +49,11 @@ HEAD_DIM = 64  # the kernel's head size (SmolLM2, Qwen2.5-0.5B, Llama-3.2-1B); o
 ATTENTION_C = r"""
 #define D 64
 #define MASKED (-1e30f)
+#ifdef __AVX512F__
 #define QB 8
+#else
+#define QB 4 /* AVX2: a block's accumulators in halves, 8 of its 16 registers (8 queries spilled) */
+#endif
 #define KEYS_AHEAD 16 /* a row's own keys or values fetched this many rows ahead: a decode step's weights have evicted them */
 
 /* the two 64-byte lines of the row KEYS_AHEAD rows past x (rows `stride` elements apart) */
@@ -162,9 +168,14 @@ static inline __attribute__((always_inline)) void score_blocks(const uint32_t *k
             }
             __m512 acc[2][QB];
             const uint32_t *kb[2] = {kp + j * 512, kp + (j + 1) * 512};
-            if (any[0] && any[1])
+            if (any[0] && any[1]) {
+#ifdef __AVX512F__
                 block_products(kb, qr, qw, qb, 2, acc);
-            else if (any[0] || any[1]) {
+#else /* AVX2: a block a loop, each block's sums as they were */
+                block_products(kb, qr, qw, qb, 1, acc);
+                block_products(kb + 1, qr, qw, qb, 1, acc + 1);
+#endif
+            } else if (any[0] || any[1]) {
                 kb[0] = kb[any[1]];
                 block_products(kb, qr, qw, qb, 1, acc);
             }
