@@ -10,7 +10,8 @@ operation takes one. Every operation gives the lanes AVX-512 would: the same rou
 `_mm512_reduce_add_ps` summed in GCC's order, so a kernel computes the same bits on either.
 
 Only the intrinsics the kernels use are here, and only as far as they use them: `scalef` for the
-exponents `exp_neg` passes (-126 to 0), the masked byte and word loads for contiguous tails.
+exponents `exp_neg` passes (-126 to 0); the masked byte and word loads and stores go lane by lane
+unless every lane is on (the kernels mask only a row's tail).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ its own part (303 queries a row over 188 keys, causal) 20 against 50 ms. Built f
 blocks go one at a time, so that the accumulators stay in registers; each score is the same sum.
 
 They are built on first use (`agents.local.kernels`). Without a compiler, on a CPU without
-AVX512-BF16, or where the build fails, both answer None and the caller keeps the flash kernel.
+AVX2, or where the build fails, both answer None and the caller keeps the flash kernel.
 `CGYM_DECODE_KERNEL=0` turns them off.
 """
 

@@ -13,7 +13,7 @@ from cgym.agents.local import decode_attention, kernels
 from cgym.agents.local.decode_attention import KERNEL_ENV, available, block_attention, own_attention
 from cgym.agents.local.kv_cache import split_attention
 
-requires_kernel = pytest.mark.skipif(not available(), reason="no C compiler or no AVX512-BF16 here: the flash kernel runs")
+requires_kernel = pytest.mark.skipif(not available(), reason="no C compiler or no AVX2 here: the flash kernel runs")
 
 
 def _forget_builds() -> None:

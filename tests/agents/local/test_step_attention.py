@@ -10,7 +10,7 @@ from cgym.agents.local.decode_attention import KERNEL_ENV, available
 from cgym.agents.local.kv_cache import split_attention
 from cgym.agents.local.step_attention import DRAFT_QUERIES, drafting, pack_prefix, step_attention
 
-pytestmark = pytest.mark.skipif(not available(), reason="no C compiler or no AVX512-BF16 here: the split path runs")
+pytestmark = pytest.mark.skipif(not available(), reason="no C compiler or no AVX2 here: the split path runs")
 
 
 def _inputs(batch: int, steps: int, prefix: int, own: int, *, heads: int = 9, kv_heads: int = 3) -> tuple[torch.Tensor, ...]:
