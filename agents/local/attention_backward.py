@@ -83,32 +83,16 @@ static inline void store_tile(const __m256i x[4], uint32_t *tile) {
 /* The scores (queries qr over packed keys kb) and dp (dO rows orow over packed values vb) of
    `two` key blocks in one loop: block_products' sums in its order, twice as many independent
    ones in flight */
-#ifndef __AVX512F__
-/* AVX2 (16 registers, each vector two): acc[r] = widened row r (w) . each of packed block kb's
-   sixteen keys, for BQ rows, in score_and_dp's order; one block and one product a loop, so that
-   the accumulators stay in registers */
-static inline __attribute__((always_inline)) void block_rows(const uint32_t *kb, float (*w)[D], __m512 acc[QB]) {
-    for (int r = 0; r < BQ; r++) acc[r] = _mm512_setzero_ps();
-    for (int i = 0; i < 32; i++) {
-        __m512i v = _mm512_load_si512(kb + i * 16);
-        __m512 hi = bf16_hi(v), lo = bf16_lo(v);
-        for (int r = 0; r < BQ; r++)
-            acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(w[r][2 * i]), lo, _mm512_fmadd_ps(_mm512_set1_ps(w[r][2 * i + 1]), hi, acc[r]));
-    }
-}
-#endif
-
 static inline __attribute__((always_inline)) void score_and_dp(const uint32_t *const kb[2], const uint32_t *const vb[2], const uint32_t *const *qr,
                                                                const uint32_t *const *orow, float (*qw)[D], float (*ow)[D], const int two,
                                                                __m512 sc[2][QB], __m512 dp[2][QB]) {
-#ifndef __AVX512F__
-    (void)qr, (void)orow;
+#ifndef __AVX512F__ /* AVX2 (16 registers, each vector two): a block's scores, then its dp, so that
+                        the accumulators stay in registers; block_products' sums, in its order */
     for (int b = 0; b < two; b++) {
-        block_rows(kb[b], qw, sc[b]);
-        block_rows(vb[b], ow, dp[b]);
+        block_products(kb + b, qr, qw, BQ, 1, sc + b);
+        block_products(vb + b, orow, ow, BQ, 1, dp + b);
     }
-    return;
-#endif
+#else
     for (int b = 0; b < two; b++)
         for (int r = 0; r < BQ; r++) sc[b][r] = dp[b][r] = _mm512_setzero_ps();
     for (int i = 0; i < 32; i++) {
@@ -137,6 +121,7 @@ static inline __attribute__((always_inline)) void score_and_dp(const uint32_t *c
         }
 #endif
     }
+#endif
 }
 
 #define QC 256 /* queries a chunk at most: p and ds are kept for one chunk at a time */
