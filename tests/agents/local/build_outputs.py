@@ -14,12 +14,11 @@ from cgym.agents.local import kernels
 from cgym.agents.local.attention_backward import attention_backward
 from cgym.agents.local.decode_attention import block_attention
 from cgym.agents.local.lean_layers import sampling_model
-from cgym.agents.local.lora import with_lora
 from cgym.agents.local.sampling import sample_batch
 from cgym.agents.local.target_logprobs import target_logprobs
 from cgym.agents.local.training_ops import fused_training_ops
 from cgym.agents.options import SamplingOptions
-from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 
 def _seeded(seed: int) -> torch.Generator:
@@ -62,14 +61,11 @@ def attention() -> dict[str, object]:
 
 
 def training() -> dict[str, object]:
-    """A LoRA Llama's loss and gradients through the fused training ops."""
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=40, hidden_size=128, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
-    model = with_lora(LlamaForCausalLM(config), 4)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.05)
+    """A LoRA Llama's loss and gradients through the fused training ops (the training ops'
+    tests' model: this script's folder is first on its path)."""
+    from test_training_ops import _llama_lora_with_wide_heads
+
+    model = _llama_lora_with_wide_heads()
     ids = torch.randint(0, 40, (3, 50), generator=_seeded(2))
     with fused_training_ops(model):
         loss = model(input_ids=ids, labels=ids).loss
