@@ -23,3 +23,14 @@ def test_both_arms_alternate_and_the_json_compares_them(tmp_path: Path) -> None:
     per_id = result["ms_per_sampled_id"]
     assert set(per_id) == {str(LOOKUP_TOKENS), "0"}
     assert result["speedup_per_sampled_id"] == pytest.approx(per_id["0"] / per_id[str(LOOKUP_TOKENS)], abs=0.01)
+
+
+def test_two_draft_counts_compare_and_equal_ones_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = build_tiny(tmp_path / "tiny", chat_corpus(), **SIZES)
+    out = tmp_path / "drafts.json"
+    main(["--model", str(model), "--episodes", "1", "--rounds", "1", "--drafts", "8", "--against", "4", "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert [r["draft_tokens"] for r in result["runs"]] == [8, 4] and set(result["ms_per_sampled_id"]) == {"8", "4"}
+    with pytest.raises(SystemExit):
+        main(["--model", str(model), "--drafts", "4", "--against", "4"])
+    assert "two different counts" in capsys.readouterr().err
