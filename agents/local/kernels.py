@@ -32,7 +32,7 @@ from cgym.agents.local.avx2 import AVX2_COMPAT
 from cgym.agents.pretrained import ModelFetchError, cache_root
 
 KERNEL_ENV = "CGYM_DECODE_KERNEL"
-ISA_ENV = "CGYM_KERNEL_ISA"  # `avx2`: build for AVX2 on an AVX-512 CPU too
+ISA_ENV = "CGYM_KERNEL_ISA"  # `avx2`: build for AVX2 on an AVX-512 CPU too (CI runs the kernel tests on both)
 COMMON = ["-O3", "-mfma", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC"]
 ISA_FLAGS = {"avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl"], "avx2": ["-mavx2", "-mf16c"]}
 BF16_FLAG = "-mavx512bf16"  # where the CPU has the instructions; else the header's AVX512F forms
